@@ -1,0 +1,200 @@
+"""Draft trees and the `DraftSource` interface that every drafter (history, group, learned) meets.
+
+A draft is a small token tree continuing a request's last emitted token (the root). It is padded
+to the engine's static budget T: `tokens[T]`, `parents[T]` (−1 = the root, otherwise an index
+< i), `valid[T]`. Drafts only ever cost speed: the engine samples from the target at every node,
+so a drafter that emits garbage changes nothing that is sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class DraftTree:
+  """A host-side padded draft tree. Nodes are in topological order (parents[i] < i)."""
+
+  tokens: np.ndarray  # int32[T]
+  parents: np.ndarray  # int32[T], -1 = child of the root
+  valid: np.ndarray  # bool[T]
+
+  @classmethod
+  def empty(cls, budget: int) -> "DraftTree":
+    return cls(np.zeros(budget, np.int32), np.full(budget, -1, np.int32), np.zeros(budget, bool))
+
+  @classmethod
+  def chain(cls, tokens: Sequence[int], budget: int) -> "DraftTree":
+    """A linear draft (each token the child of the previous one), truncated to the budget."""
+    tree = cls.empty(budget)
+    n = min(len(tokens), budget)
+    tree.tokens[:n] = np.asarray(tokens[:n], np.int32)
+    tree.parents[:n] = np.arange(n, dtype=np.int32) - 1
+    tree.valid[:n] = True
+    return tree
+
+  @classmethod
+  def from_nodes(cls, nodes: Sequence[tuple[int, int]], budget: int) -> "DraftTree":
+    """From (token, parent) pairs in topological order; extra nodes past the budget are dropped."""
+    tree = cls.empty(budget)
+    for i, (tok, parent) in enumerate(nodes[:budget]):
+      if not -1 <= parent < i:
+        raise ValueError(f"draft node {i}: parent {parent} must be in [-1, {i})")
+      tree.tokens[i], tree.parents[i], tree.valid[i] = tok, parent, True
+    return tree
+
+  @property
+  def size(self) -> int:
+    return int(self.valid.sum())
+
+  def depth(self) -> np.ndarray:
+    """Depth of each node below the root (children of the root have depth 1)."""
+    d = np.zeros(len(self.tokens), np.int32)
+    for i, p in enumerate(self.parents):
+      d[i] = 1 if p < 0 else d[p] + 1
+    return d
+
+  def padded(self, budget: int) -> "DraftTree":
+    """The same tree in a budget of another size (nodes past it dropped, with their subtrees)."""
+    if budget >= len(self.tokens):
+      out = DraftTree.empty(budget)
+      n = len(self.tokens)
+      out.tokens[:n], out.parents[:n], out.valid[:n] = self.tokens, self.parents, self.valid
+      return out
+    out = DraftTree(self.tokens[:budget].copy(), self.parents[:budget].copy(),
+                    self.valid[:budget].copy())
+    for i, p in enumerate(out.parents):  # a kept node whose parent is invalid is invalid too
+      if p >= 0 and not out.valid[p]:
+        out.valid[i] = False
+    return out
+
+
+@dataclasses.dataclass
+class DraftQuery:
+  """What a drafter sees of one live request before a step."""
+
+  request_id: int
+  group_id: Hashable
+  prompt_key: Hashable  # stable key of the prompt (hash of its tokens or a dataset uid)
+  prompt: np.ndarray  # int32 prompt tokens
+  response: np.ndarray  # int32 response tokens so far; the last one is the tree's root
+  budget: int  # the most draft tokens the engine can verify for this request this step
+
+
+class DraftSource(Protocol):
+  """A drafter plugged into the rollout engine.
+
+  `propose` is called once per step for the live requests; `observe` after each step with what
+  was accepted (siblings' tokens feed grouped drafts, acceptance feeds adaptive budgets);
+  `finish` when a request ends.
+  """
+
+  def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+    ...
+
+  def observe(self, request_id: int, group_id: Hashable, new_tokens: np.ndarray,
+              drafted: int, accepted: int) -> None:
+    ...
+
+  def finish(self, request_id: int, group_id: Hashable) -> None:
+    ...
+
+
+class NoDrafts:
+  """Plain decoding through the speculative step: every draft is empty."""
+
+  def propose(self, queries):
+    return [DraftTree.empty(q.budget) for q in queries]
+
+  def observe(self, request_id, group_id, new_tokens, drafted, accepted):
+    pass
+
+  def finish(self, request_id, group_id):
+    pass
+
+
+class OracleDrafter:
+  """Drafts from known continuations (tests, benchmarks), with a controlled acceptance rate.
+
+  `targets[request_id]` is the response the target will produce (e.g. from a plain rollout).
+  Each drafted token is the true next token with probability `accuracy` and a wrong one
+  otherwise, so acceptance can be dialled in; `branches > 1` adds wrong siblings at each depth
+  to exercise tree verification.
+  """
+
+  def __init__(self, targets: dict[int, Sequence[int]], vocab_size: int, accuracy: float = 1.0,
+               branches: int = 1, max_len: int | None = None, seed: int = 0):
+    self.targets = {k: np.asarray(v, np.int32) for k, v in targets.items()}
+    self.vocab_size = vocab_size
+    self.accuracy = accuracy
+    self.branches = branches
+    self.max_len = max_len
+    self.rng = np.random.default_rng(seed)
+
+  def _wrong(self, tok: int) -> int:
+    return int((tok + 1 + self.rng.integers(self.vocab_size - 1)) % self.vocab_size)
+
+  def propose(self, queries):
+    out = []
+    for q in queries:
+      target = self.targets.get(q.request_id)
+      if target is None:
+        out.append(DraftTree.empty(q.budget))
+        continue
+      pos = len(q.response)
+      future = target[pos:pos + (self.max_len or q.budget)]
+      nodes, parent = [], -1
+      for tok in future:
+        if len(nodes) >= q.budget:
+          break
+        true_tok = int(tok)
+        drafted = true_tok if self.rng.random() < self.accuracy else self._wrong(true_tok)
+        me = len(nodes)
+        nodes.append((drafted, parent))
+        for _ in range(self.branches - 1):
+          if len(nodes) < q.budget:
+            nodes.append((self._wrong(true_tok), parent))
+        parent = me
+      out.append(DraftTree.from_nodes(nodes, q.budget))
+    return out
+
+  def observe(self, request_id, group_id, new_tokens, drafted, accepted):
+    pass
+
+  def finish(self, request_id, group_id):
+    pass
+
+
+class RandomDrafter:
+  """Garbage drafts: random tokens in random tree shapes (tests that drafts never change output).
+
+  `extra_tokens` are mixed in with probability 1/4 per node (e.g. EOS, to test drafts that
+  contain end-of-sequence tokens).
+  """
+
+  def __init__(self, vocab_size: int, seed: int = 0, extra_tokens: Sequence[int] = ()):
+    self.vocab_size = vocab_size
+    self.rng = np.random.default_rng(seed)
+    self.extra = list(extra_tokens)
+
+  def propose(self, queries):
+    out = []
+    for q in queries:
+      n = int(self.rng.integers(0, q.budget + 1))
+      nodes = []
+      for i in range(n):
+        tok = int(self.rng.integers(self.vocab_size))
+        if self.extra and self.rng.random() < 0.25:
+          tok = int(self.rng.choice(self.extra))
+        nodes.append((tok, int(self.rng.integers(-1, i))))
+      out.append(DraftTree.from_nodes(nodes, q.budget))
+    return out
+
+  def observe(self, request_id, group_id, new_tokens, drafted, accepted):
+    pass
+
+  def finish(self, request_id, group_id):
+    pass
