@@ -47,7 +47,6 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
       self.k_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
-    self.inv_freq = attention.rope_inv_freq(cfg)  # numpy constant, not a parameter
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxT, cache, layer, cache_len_B):
     cfg = self.cfg
@@ -57,8 +56,9 @@ class Attention(nnx.Module):
     v = self.v_proj(x_BxTxD).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = attention.apply_rope(q, positions_BxT, self.inv_freq)
-    k = attention.apply_rope(k, positions_BxT, self.inv_freq)
+    inv_freq = attention.rope_inv_freq(cfg)  # a trace-time constant
+    q = attention.apply_rope(q, positions_BxT, inv_freq)
+    k = attention.apply_rope(k, positions_BxT, inv_freq)
     if cache is None:
       out = attention.attend(q, k, v, mask_BxTxT)
     else:
