@@ -1,0 +1,96 @@
+"""Advantage estimators for group-sampled RL (GRPO family), chosen by name from a registry.
+
+Every estimator maps the rewards of `num_groups` prompts x `G` responses each, shaped
+[N, G], to one scalar advantage per response, same shape. Flatten with `.reshape(-1)` to get
+the per-sequence advantages of a prompt-major batch (prompt 0's G responses first).
+
+All functions are pure `jnp` and jit-friendly; options are keyword-only Python values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class AdvantageFn(Protocol):
+
+  def __call__(self, rewards_NxG: jax.Array, *, normalize_std: bool = ...,
+               eps: float = ...) -> jax.Array:
+    ...
+
+
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+  """Decorator: make an advantage function available as `get_advantage(name)`."""
+
+  def wrap(fn: AdvantageFn) -> AdvantageFn:
+    if name in _ADVANTAGES:
+      raise ValueError(f"advantage estimator {name!r} is already registered")
+    _ADVANTAGES[name] = fn
+    return fn
+
+  return wrap
+
+
+def get_advantage(name: str) -> AdvantageFn:
+  """Look up a registered advantage estimator; unknown names list the known ones."""
+  if name not in _ADVANTAGES:
+    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(_ADVANTAGES)}")
+  return _ADVANTAGES[name]
+
+
+def available_advantages() -> list[str]:
+  return sorted(_ADVANTAGES)
+
+
+def _check_groups(rewards_NxG: jax.Array, name: str) -> None:
+  if rewards_NxG.ndim != 2:
+    raise ValueError(f"{name}: rewards must be shaped [num_groups, G], got {rewards_NxG.shape}")
+  if rewards_NxG.shape[1] < 2:
+    raise ValueError(f"{name}: needs at least 2 responses per group (G), got G="
+                     f"{rewards_NxG.shape[1]}")
+
+
+def _group_std(rewards_NxG: jax.Array) -> jax.Array:
+  """Unbiased (ddof=1) std per group, as torch.std in the GRPO reference code, [N, 1]."""
+  return jnp.std(rewards_NxG, axis=1, keepdims=True, ddof=1)
+
+
+@register_advantage("grpo")
+def grpo(rewards_NxG: jax.Array, *, normalize_std: bool = True,
+         eps: float = 1e-6) -> jax.Array:
+  """GRPO: reward minus the group mean, optionally divided by (group std + eps).
+
+  `normalize_std=False` gives the Dr. GRPO variant, which avoids up-weighting groups whose
+  rewards barely differ. A group with identical rewards gets zero advantage either way.
+  """
+  _check_groups(rewards_NxG, "grpo")
+  rewards_NxG = rewards_NxG.astype(jnp.float32)
+  adv_NxG = rewards_NxG - jnp.mean(rewards_NxG, axis=1, keepdims=True)
+  if normalize_std:
+    adv_NxG = adv_NxG / (_group_std(rewards_NxG) + eps)
+  return adv_NxG
+
+
+@register_advantage("rloo")
+def rloo(rewards_NxG: jax.Array, *, normalize_std: bool = False,
+         eps: float = 1e-6) -> jax.Array:
+  """REINFORCE leave-one-out: reward minus the mean of the other G-1 rewards of its group.
+
+  Equals G/(G-1) x the mean-centred reward; the baseline never includes the sample itself, so
+  the estimate is unbiased. `normalize_std=True` additionally divides by (group std + eps).
+  """
+  _check_groups(rewards_NxG, "rloo")
+  rewards_NxG = rewards_NxG.astype(jnp.float32)
+  g = rewards_NxG.shape[1]
+  # r_i - (sum - r_i) / (G - 1) == G / (G - 1) * (r_i - mean); this form is exactly 0 for a
+  # constant group in floating point.
+  adv_NxG = (g / (g - 1)) * (rewards_NxG - jnp.mean(rewards_NxG, axis=1, keepdims=True))
+  if normalize_std:
+    adv_NxG = adv_NxG / (_group_std(rewards_NxG) + eps)
+  return adv_NxG
