@@ -190,7 +190,8 @@ class SuffixIndex:
     return Node(p, self._len[p])
 
   def count(self, node: Node) -> int:
-    """How often the node's string occurs (end positions, including at sequence ends)."""
+    """How often the node's string occurs (end positions, sequence ends included; the empty
+    string counts every indexed token)."""
     if node.length > self.max_depth:
       raise ValueError(f"SuffixIndex.count: length {node.length} > max_depth {self.max_depth}")
     return self._cnt[node.state]
