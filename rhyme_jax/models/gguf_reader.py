@@ -146,7 +146,8 @@ class GGUFFile:
       raise ValueError(f"{self.path}: tensor {name!r} has unsupported type {kind}; "
                        f"supported: {', '.join(SUPPORTED_TYPES)}")
     try:
-      x = self._gguf.quants.dequantize(t.data, t.tensor_type)
+      # Copy out of the memmap first: slicing a memmap block by block is much slower.
+      x = self._gguf.quants.dequantize(np.array(t.data), t.tensor_type)
     except Exception as e:
       raise ValueError(f"{self.path}: cannot dequantize tensor {name!r} ({kind}): {e}") from e
     x = np.asarray(x, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
