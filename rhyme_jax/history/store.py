@@ -165,8 +165,10 @@ class HistoryStore:
   def load_state_dict(self, state: dict) -> None:
     """Replaces the content with a `state_dict()` (config included)."""
     try:
-      meta = json.loads(str(np.asarray(state["meta_json"]).item()
-                            if isinstance(state["meta_json"], np.ndarray) else state["meta_json"]))
+      meta_json = state["meta_json"]
+      if isinstance(meta_json, np.ndarray):  # a checkpointer may hand strings back as arrays
+        meta_json = meta_json.item()
+      meta = json.loads(meta_json.decode() if isinstance(meta_json, bytes) else meta_json)
       tokens = np.asarray(state["tokens"], np.int32)
       lengths = np.asarray(state["lengths"], np.int64)
       rewards = np.asarray(state["rewards"], np.float32)

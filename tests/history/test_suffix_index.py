@@ -156,7 +156,7 @@ def _build_seconds(tokens, depth):
 @pytest.mark.parametrize("kind", ["random", "repetitive"])
 def test_build_time_is_linear(kind):
   rng = np.random.default_rng(0)
-  n = 6000
+  n = 20000
   if kind == "random":
     text = rng.integers(0, 50, 4 * n)
   else:  # long runs and repeats: many clones, long suffix-link chains
