@@ -245,7 +245,8 @@ class PrefetchingDrafter:
   Usage in an engine loop: dispatch the device step (asynchronous), `submit(next_queries)`,
   block on the step's outputs, then `result()` for the drafts. `observe` / `finish` go through
   this wrapper too; a lock keeps them from interleaving with a running `propose`, and
-  `propose` (synchronous) is `submit` + `result`.
+  `propose` (synchronous) is `submit` + `result`. Record groups into the store (trainer side)
+  only while no `submit` is outstanding.
   """
 
   def __init__(self, drafter: HistoryDrafter):
