@@ -1,0 +1,308 @@
+"""Tests for rhyme_jax.checkpoint: round trips, keep-last-N, atomicity, config."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rhyme_jax import checkpoint as ckpt
+
+
+def _params(seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {
+      "embed": {"embedding": jax.random.normal(k1, (16, 8), jnp.float32)},
+      "layers": [{"mlp": {"kernel": jax.random.normal(k2, (8, 8), jnp.bfloat16)}}],
+  }
+
+
+def _host_state(step):
+  rng = np.random.default_rng(step)
+  return {
+      "step": step,
+      "data": {"epoch": 2, "index": 17 * step, "order": (3, 1, 2)},
+      "numpy_rng": rng.bit_generator.state,
+      "seed": np.int64(1234),
+      "history": {
+          "tokens": np.arange(10 * step, dtype=np.int32).reshape(step, 10),
+          "logps": np.full((3,), -0.5, np.float32),
+          "empty": np.zeros((0, 4), np.int32),
+          "jax_key": jax.random.key_data(jax.random.key(step)),
+      },
+      "note": None,
+  }
+
+
+def _assert_tree_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_params_adamw_and_host_state(tmp_path):
+  params = _params()
+  tx = optax.adamw(1e-2)
+  opt_state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  host = _host_state(3)
+
+  with ckpt.RunCheckpointer(tmp_path, keep_last=2) as cp:
+    assert cp.save(3, params=params, opt_state=opt_state, host_state=host)
+    cp.wait()
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abstract_opt = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_state)
+    state = cp.restore(abstract_params=abstract_params,
+                       abstract_opt_state=abstract_opt)
+
+  assert state.step == 3
+  _assert_tree_equal(state.params, params)
+  _assert_tree_equal(state.opt_state, opt_state)
+  assert type(state.opt_state[0]).__name__ == "ScaleByAdamState"
+  assert int(state.opt_state[0].count) == 1
+  # Host state: JSON parts exact; numpy parts exact incl. dtype; tuples -> lists.
+  h = state.host_state
+  assert h["step"] == 3 and h["note"] is None and h["seed"] == 1234
+  assert h["data"] == {"epoch": 2, "index": 51, "order": [3, 1, 2]}
+  assert h["numpy_rng"] == host["numpy_rng"]
+  restored_rng = np.random.default_rng()
+  restored_rng.bit_generator.state = h["numpy_rng"]
+  np.testing.assert_array_equal(restored_rng.integers(0, 1 << 30, 5),
+                                np.random.default_rng(3).integers(0, 1 << 30, 5))
+  for key in ("tokens", "logps", "empty"):
+    assert isinstance(h["history"][key], np.ndarray)
+    assert h["history"][key].dtype == host["history"][key].dtype
+    np.testing.assert_array_equal(h["history"][key], host["history"][key])
+  np.testing.assert_array_equal(h["history"]["jax_key"],
+                                np.asarray(host["history"]["jax_key"]))
+  # The arrays live in a separate array item, not inside the JSON.
+  host_json = (tmp_path / "checkpoints" / "3" / "host" / "metadata").read_text()
+  assert '"__ndarray__"' in host_json and "arr_0" in host_json
+  assert (tmp_path / "checkpoints" / "3" / "host_arrays").is_dir()
+
+
+def test_keep_last_and_save_every_and_latest(tmp_path):
+  params = _params()
+  cp = ckpt.RunCheckpointer(tmp_path, keep_last=2, save_every=2, async_save=False)
+  saved = [s for s in range(1, 8)
+           if cp.save(s, params=jax.tree.map(lambda x: x + s, params),
+                      host_state={"step": s})]
+  assert saved == [2, 4, 6]
+  assert cp.save(7, params=params, host_state={"step": 7}, force=True)
+  assert not cp.save(7, params=params, host_state={"step": 7}, force=True)
+  assert cp.all_steps() == [6, 7]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["6", "7"]
+  cp.close()
+
+  # A fresh checkpointer (as after a restart) sees the same steps.
+  cp2 = ckpt.RunCheckpointer(tmp_path, keep_last=2, save_every=2)
+  assert cp2.latest_step() == 7
+  st = cp2.restore()
+  assert st.host_state == {"step": 7} and st.opt_state is None
+  st6 = cp2.restore(6)
+  np.testing.assert_allclose(
+      np.asarray(st6.params["embed"]["embedding"], np.float32),
+      np.asarray(params["embed"]["embedding"] + 6, np.float32))
+  with pytest.raises(FileNotFoundError, match="step 2 .*available steps: \\[6, 7\\]"):
+    cp2.restore(2)
+  cp2.close()
+
+
+def test_restore_with_no_checkpoint_names_directory(tmp_path):
+  cp = ckpt.RunCheckpointer(tmp_path / "run")
+  assert cp.latest_step() is None
+  with pytest.raises(FileNotFoundError, match=str(tmp_path / "run" / "checkpoints")):
+    cp.restore()
+  cp.close()
+
+
+def test_bad_host_state_names_field(tmp_path):
+  cp = ckpt.RunCheckpointer(tmp_path)
+  with pytest.raises(TypeError, match=r"host_state\['data'\]\['it'\]"):
+    cp.save(1, params=_params(), host_state={"data": {"it": object()}})
+  with pytest.raises(TypeError, match=r"host_state\['names'\].*dtype <U"):
+    cp.save(1, params=_params(), host_state={"names": np.array(["a", "b"])})
+  cp.close()
+
+
+def test_leftover_tmp_directory_is_ignored(tmp_path):
+  params = _params()
+  with ckpt.RunCheckpointer(tmp_path, async_save=False) as cp:
+    cp.save(1, params=params, host_state={"step": 1})
+  # A half-written step as a killed orbax save leaves it.
+  tmp_dir = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
+  (tmp_dir / "params").mkdir(parents=True)
+  (tmp_dir / "params" / "garbage").write_bytes(b"\0" * 10)
+  with ckpt.RunCheckpointer(tmp_path) as cp:
+    assert cp.all_steps() == [1]
+    assert cp.restore().host_state == {"step": 1}
+    assert not tmp_dir.exists()  # Cleaned up on open.
+
+
+_KILL_MID_SAVE = textwrap.dedent("""
+    import os, sys, threading, time
+    import numpy as np
+    from rhyme_jax import checkpoint as ckpt
+    run_dir = sys.argv[1]
+    cp = ckpt.RunCheckpointer(run_dir, async_save=False)
+    cp.save(1, params={"w": np.ones((4,), np.float32)}, host_state={"step": 1})
+    tmp = os.path.join(run_dir, "checkpoints", "2.orbax-checkpoint-tmp")
+    def killer():
+      while not os.path.exists(tmp):
+        time.sleep(0.0005)
+      os._exit(17)
+    threading.Thread(target=killer, daemon=True).start()
+    big = np.random.default_rng(0).standard_normal((64, 1024, 1024), np.float32)
+    cp.save(2, params={"w": big}, host_state={"step": 2})
+    os._exit(0)  # Only reached when the save beat the killer.
+""")
+
+
+def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 17, proc.stderr[-2000:]
+  ckdir = tmp_path / "checkpoints"
+  assert (ckdir / "2.orbax-checkpoint-tmp").exists()
+  assert not (ckdir / "2").exists()
+  with ckpt.RunCheckpointer(tmp_path) as cp:
+    assert cp.latest_step() == 1
+    st = cp.restore()
+    assert st.step == 1 and st.host_state == {"step": 1}
+    np.testing.assert_array_equal(st.params["w"], np.ones((4,), np.float32))
+
+
+_SHARDED = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from rhyme_jax import checkpoint as ckpt
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4),
+                       NamedSharding(mesh, P("d", None)))
+    with ckpt.RunCheckpointer(sys.argv[1]) as cp:
+      cp.save(5, params={"x": x}, host_state={})
+      target = {"x": jax.ShapeDtypeStruct((8, 4), np.float32,
+                                          sharding=NamedSharding(mesh, P(None, "d")))}
+      st = cp.restore(abstract_params=target)
+    y = st.params["x"]
+    assert y.sharding == target["x"].sharding, y.sharding
+    assert len(y.addressable_shards) == 2
+    assert y.addressable_shards[0].data.shape == (8, 2)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    print("OK")
+""")
+
+
+def test_sharded_restore_uses_target_sharding(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_nnx_state_round_trip(tmp_path):
+  from flax import nnx
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  state = nnx.state(model, nnx.Param)
+  with ckpt.RunCheckpointer(tmp_path) as cp:
+    cp.save(1, params=state, host_state={})
+    fresh = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            nnx.state(fresh, nnx.Param))
+    restored = cp.restore(abstract_params=abstract).params
+  nnx.update(fresh, restored)
+  np.testing.assert_array_equal(np.asarray(fresh.kernel[...]),
+                                np.asarray(model.kernel[...]))
+
+
+# ---------------------------------------------------------------------------
+# Run config
+
+
+_CONFIG = {
+    "model": {"name": "smollm2-135m", "dtype": "float32"},
+    "rollout": {"temperature": 0.7, "max_new_tokens": 128},
+    "train": {"total_steps": 100, "log_every": 10, "lr": 1e-6},
+    "seed": 0,
+}
+
+
+def _with(config, **dotted):
+  out = json.loads(json.dumps(config))
+  for key, value in dotted.items():
+    node = out
+    *parents, leaf = key.split("__")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return out
+
+
+def test_run_config_write_check_and_allow_list(tmp_path):
+  path = ckpt.write_run_config(tmp_path, _CONFIG)
+  assert json.loads(path.read_text())["fingerprint"] == ckpt.config_fingerprint(_CONFIG)
+  assert ckpt.check_run_config(tmp_path, _CONFIG) == []
+  changed = _with(_CONFIG, train__total_steps=200, train__log_every=5)
+  assert ckpt.check_run_config(
+      tmp_path, changed, allow_changed=["train.total_steps", "train.log_every"]
+  ) == ["train.log_every", "train.total_steps"]
+  with pytest.raises(FileExistsError, match="run_config.json"):
+    ckpt.write_run_config(tmp_path, changed)
+
+
+def test_mismatched_config_names_fields_and_writes_nothing(tmp_path):
+  ckpt.write_run_config(tmp_path, _CONFIG)
+  before = (tmp_path / "run_config.json").read_bytes()
+  other = _with(_CONFIG, rollout__temperature=1.0, train__total_steps=300)
+  other["model"]["extra"] = 1
+  with pytest.raises(ckpt.RunConfigMismatchError) as err:
+    ckpt.ensure_run_config(tmp_path, other, allow_changed=["train.total_steps"])
+  msg = str(err.value)
+  assert "rollout.temperature: run dir has 0.7, new config has 1.0" in msg
+  assert "model.extra: run dir has <absent>, new config has 1" in msg
+  assert "total_steps" not in msg
+  assert str(tmp_path / "run_config.json") in msg
+  assert (tmp_path / "run_config.json").read_bytes() == before
+  assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
+
+
+def test_ensure_run_config_creates_then_updates_allowed(tmp_path):
+  run = tmp_path / "new_run"
+  assert ckpt.ensure_run_config(run, _CONFIG) == []
+  assert ckpt.read_run_config(run) == _CONFIG
+  changed = _with(_CONFIG, train__total_steps=500)
+  assert ckpt.ensure_run_config(run, changed, allow_changed=["train"]) == [
+      "train.total_steps"]
+  assert ckpt.read_run_config(run)["train"]["total_steps"] == 500
+  # Type changes count as changes (1 vs True).
+  with pytest.raises(ckpt.RunConfigMismatchError, match="seed"):
+    ckpt.check_run_config(run, _with(changed, seed=False))
+
+
+def test_dataclass_config_and_non_json_field(tmp_path):
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True)
+  class Cfg:
+    lr: float = 1e-3
+    out: pathlib.Path = pathlib.Path("/tmp/x")
+    fn: object = None
+
+  ckpt.write_run_config(tmp_path, Cfg())
+  assert ckpt.read_run_config(tmp_path) == {"lr": 1e-3, "out": "/tmp/x", "fn": None}
+  with pytest.raises(TypeError, match="'fn'"):
+    ckpt.check_run_config(tmp_path, Cfg(fn=object()))
