@@ -1,0 +1,360 @@
+"""The rollout engine: continuous batching over static-shape slots with lossless tree speculation.
+
+Requests wait in a queue; B slots (B from a fixed set of buckets) each hold one live request
+and its KV cache. A finished slot is refilled at once; when the queue is empty and the live
+requests fit a smaller bucket they are moved into it, so the tail of a rollout stops paying
+for empty slots. Each step verifies one draft tree per slot (budget T from a fixed set; T = 0
+is plain decoding). Step functions are jitted once per (bucket, budget) and reused.
+
+The engine is the narrow interface the trainer sees: `generate(requests) -> results` and
+`update_params(model)`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rhyme_jax.models.attention import KVCache
+from rhyme_jax.models.transformer import Transformer
+from rhyme_jax.rollout import accept, step
+from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree
+from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: int
+  prompt: Sequence[int]
+  params: SamplingParams = SamplingParams()
+  group_id: Hashable = None
+  prompt_key: Hashable = None  # key into the history store; defaults to the prompt tokens
+
+
+@dataclasses.dataclass
+class RequestResult:
+  request_id: int
+  group_id: Hashable
+  prompt: np.ndarray
+  tokens: np.ndarray  # int32 response tokens (EOS / stop sequence included when hit)
+  logprobs: np.ndarray  # float32, one per response token
+  finish_reason: str  # "eos" | "stop" | "length" | "error"
+  error: str | None = None
+  steps: int = 0  # verify steps this request took part in
+  drafted: int = 0  # draft tokens proposed for it
+  accepted: int = 0  # draft tokens accepted
+  finish_time: float = 0.0  # seconds since the start of the rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shapes and policies. `max_len` bounds prompt + response tokens per request."""
+
+  max_len: int = 512
+  buckets: tuple[int, ...] = (32, 16, 8, 4, 2, 1)
+  budgets: tuple[int, ...] = (0, 8)  # draft budgets compiled (0 = plain decoding)
+  # (max live requests, budget) thresholds, first match wins; budgets are capped to `budgets`.
+  # The default follows TLT's observation: speculate more as the batch shrinks.
+  budget_by_batch: tuple[tuple[int, int], ...] = ((1, 48), (4, 32), (20, 16), (32, 8))
+  prefill_chunk: int = 64
+  eos_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    if not self.buckets or any(b <= 0 for b in self.buckets):
+      raise ValueError(f"buckets={self.buckets}: must be a non-empty list of positive sizes")
+    if not self.budgets or any(t < 0 for t in self.budgets):
+      raise ValueError(f"budgets={self.budgets}: must be a non-empty list of sizes >= 0")
+    if self.max_len < 2:
+      raise ValueError(f"max_len={self.max_len}: must be >= 2")
+    if self.prefill_chunk <= 0:
+      raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
+
+  @property
+  def cache_len(self) -> int:
+    return self.max_len + max(self.budgets) + 1
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one `generate` call (peers' names: mean accepted length, slot utilisation)."""
+
+  steps: int = 0  # verify steps (target forward passes of the decode phase)
+  prefill_chunks: int = 0
+  tokens: int = 0  # response tokens emitted
+  useful_slot_steps: int = 0
+  slot_steps: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  draft_time_s: float = 0.0
+  device_time_s: float = 0.0
+  total_time_s: float = 0.0
+  steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
+  trace: list = dataclasses.field(default_factory=list)  # per step: (bucket, budget, live, queued)
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """Tokens emitted per slot-verify (bonus included): 1.0 means no speculation gain."""
+    return self.tokens / max(self.useful_slot_steps, 1)
+
+  @property
+  def forwards_per_token(self) -> float:
+    return self.steps / max(self.tokens, 1)
+
+  @property
+  def slot_utilisation(self) -> float:
+    return self.useful_slot_steps / max(self.slot_steps, 1)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / max(self.total_time_s, 1e-9)
+
+  def summary(self) -> dict:
+    return dict(steps=self.steps, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
+                mean_accepted_length=self.mean_accepted_length,
+                forwards_per_token=self.forwards_per_token,
+                slot_utilisation=self.slot_utilisation, drafted=self.drafted,
+                accepted=self.accepted, draft_time_s=self.draft_time_s,
+                device_time_s=self.device_time_s, total_time_s=self.total_time_s)
+
+
+@dataclasses.dataclass
+class _Live:
+  req: Request
+  tokens: list
+  logprobs: list
+  steps: int = 0
+  drafted: int = 0
+  accepted: int = 0
+
+
+class RolloutEngine:
+  """Generates responses for many requests; see the module docstring."""
+
+  def __init__(self, model: Transformer, config: EngineConfig, drafter: DraftSource | None = None):
+    self.config = config
+    self.model_config = model.cfg
+    self.graphdef, self.params = nnx.split(model)
+    self.drafter = drafter
+    self.num_traces = collections.Counter()  # compilations per function kind
+    self.stats = EngineStats()
+    self._step_fns = {}
+    self._prefill_fns = {}
+    self._load_fn = jax.jit(self._counted("load", step.load_slot), donate_argnums=0)
+    self._regroup_fn = jax.jit(self._counted("regroup", step.regroup))
+
+  # ---- compiled pieces -------------------------------------------------------------------------
+
+  def _counted(self, kind, fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+      self.num_traces[kind] += 1  # runs once per trace, i.e. per compilation
+      return fn(*args, **kw)
+    return wrapped
+
+  def _step_fn(self, bucket: int, budget: int, filters: bool):
+    key = (bucket, budget, filters)
+    if key not in self._step_fns:
+      fn = functools.partial(step.verify_step, self.graphdef, filters=filters)
+      self._step_fns[key] = jax.jit(self._counted("step", fn), donate_argnums=1)
+    return self._step_fns[key]
+
+  def _prefill_fn(self):
+    if "prefill" not in self._prefill_fns:
+      fn = functools.partial(step.prefill_chunk, self.graphdef)
+      self._prefill_fns["prefill"] = jax.jit(self._counted("prefill", fn), donate_argnums=1)
+    return self._prefill_fns["prefill"]
+
+  def update_params(self, model_or_params) -> None:
+    """Swaps in new weights (same structure); compiled functions are kept."""
+    if isinstance(model_or_params, nnx.Module):
+      _, self.params = nnx.split(model_or_params)
+    else:
+      self.params = model_or_params
+
+  # ---- policies --------------------------------------------------------------------------------
+
+  def bucket_for(self, n: int) -> int:
+    """The smallest bucket holding n requests (the largest bucket if none does)."""
+    fits = [b for b in self.config.buckets if b >= n]
+    return min(fits) if fits else max(self.config.buckets)
+
+  def budget_for(self, live: int) -> int:
+    """Draft budget for a step with `live` requests: from the thresholds, capped to a compiled
+    budget; 0 without a drafter or above every threshold."""
+    if self.drafter is None:
+      return 0
+    want = 0
+    for max_live, budget in self.config.budget_by_batch:
+      if live <= max_live:
+        want = budget
+        break
+    fits = [t for t in self.config.budgets if t <= want]
+    return max(fits) if fits else min(self.config.budgets)
+
+  # ---- request handling ------------------------------------------------------------------------
+
+  def _validate(self, req: Request, seen: set) -> str | None:
+    """A reason this request cannot run, or None."""
+    try:
+      req.params.validate()
+    except ValueError as e:
+      return f"request {req.request_id}: invalid sampling params: {e}"
+    n = len(req.prompt)
+    if req.request_id in seen:
+      return f"request {req.request_id}: duplicate request_id"
+    if n == 0:
+      return f"request {req.request_id}: empty prompt"
+    vocab = self.model_config.vocab_size
+    bad = [t for t in req.prompt if not 0 <= int(t) < vocab]
+    if bad:
+      return f"request {req.request_id}: prompt token {bad[0]} outside the vocabulary [0, {vocab})"
+    if n + req.params.max_new_tokens > self.config.max_len:
+      return (f"request {req.request_id}: prompt of {n} tokens + max_new_tokens="
+              f"{req.params.max_new_tokens} exceeds the engine's max_len={self.config.max_len}")
+    return None
+
+  def _admit(self, state: step.DecodeState, slot: int, req: Request) -> step.DecodeState:
+    """Prefills all but the last prompt token into the slot; the last becomes the root."""
+    prompt = np.asarray(req.prompt, np.int32)
+    c = self.config.prefill_chunk
+    cache = state.cache
+    body = prompt[:-1]
+    for start in range(0, len(body), c):
+      chunk = np.zeros(c, np.int32)
+      piece = body[start:start + c]
+      chunk[:len(piece)] = piece
+      cache = self._prefill_fn()(self.params, cache, jnp.int32(slot), jnp.asarray(chunk),
+                                 jnp.int32(start))
+      self.stats.prefill_chunks += 1
+    state = state.replace(cache=cache)
+    p = req.params
+    return self._load_fn(state, jnp.int32(slot), jnp.int32(len(body)), jnp.int32(prompt[-1]),
+                         jnp.int32(req.request_id), jnp.float32(p.temperature),
+                         jnp.float32(p.top_p), jnp.int32(p.top_k))
+
+  def _finish_reason(self, live: _Live) -> str | None:
+    p = live.req.params
+    toks = live.tokens
+    if toks and toks[-1] in self.config.eos_ids:
+      return "eos"
+    for s in p.stop_sequences:
+      if len(toks) >= len(s) and tuple(toks[-len(s):]) == tuple(s):
+        return "stop"
+    if len(toks) >= p.max_new_tokens:
+      return "length"
+    return None
+
+  # ---- the loop --------------------------------------------------------------------------------
+
+  def generate(self, requests: Sequence[Request]) -> list[RequestResult]:
+    """Runs every request to completion; results in the order of `requests`.
+
+    A request that cannot run (empty or too-long prompt, bad sampling params) gets a result with
+    finish_reason "error" and a message; the others run as usual.
+    """
+    t0 = time.perf_counter()
+    self.stats = stats = EngineStats()
+    results: dict[int, RequestResult] = {}
+    queue: collections.deque[Request] = collections.deque()
+    seen: set = set()
+    for req in requests:
+      err = self._validate(req, seen)
+      seen.add(req.request_id)
+      if err:
+        results[id(req)] = RequestResult(req.request_id, req.group_id,
+                                         np.asarray(req.prompt, np.int32), np.zeros(0, np.int32),
+                                         np.zeros(0, np.float32), "error", error=err)
+      else:
+        queue.append(req)
+    order = [id(r) for r in requests]
+    filters = needs_filtering([r.params for r in queue])
+    bucket = self.bucket_for(len(queue))
+    state = step.DecodeState.empty(
+        KVCache.zeros(self.model_config, bucket, self.config.cache_len))
+    slots: list[_Live | None] = [None] * bucket
+    seed = jnp.uint32(self.config.seed)
+
+    while queue or any(slots):
+      for i in range(bucket):
+        if slots[i] is None and queue:
+          req = queue.popleft()
+          state = self._admit(state, i, req)
+          slots[i] = _Live(req, [], [])
+      live_idx = [i for i in range(bucket) if slots[i] is not None]
+      if not queue and self.bucket_for(len(live_idx)) < bucket:
+        bucket = self.bucket_for(len(live_idx))
+        keep = live_idx + [i for i in range(len(slots)) if slots[i] is None]
+        state = self._regroup_fn(state, jnp.asarray(keep[:bucket], jnp.int32))
+        slots = [slots[i] for i in keep[:bucket]]
+        live_idx = list(range(len(live_idx)))
+
+      budget = self.budget_for(len(live_idx))
+      td = time.perf_counter()
+      trees = [DraftTree.empty(budget)] * bucket
+      if budget > 0:
+        queries = []
+        for i in live_idx:
+          lv = slots[i]
+          room = lv.req.params.max_new_tokens - len(lv.tokens) - 1
+          queries.append(DraftQuery(lv.req.request_id, lv.req.group_id,
+                                    lv.req.prompt_key if lv.req.prompt_key is not None
+                                    else tuple(lv.req.prompt),
+                                    np.asarray(lv.req.prompt, np.int32),
+                                    np.asarray(lv.tokens, np.int32), max(min(budget, room), 0)))
+        for i, tree in zip(live_idx, self.drafter.propose(queries)):
+          trees[i] = tree
+      tree_batch = accept.pack_trees(trees, budget)
+      stats.draft_time_s += time.perf_counter() - td
+
+      tdev = time.perf_counter()
+      state, out = self._step_fn(bucket, budget, filters)(self.params, state, tree_batch, seed)
+      tokens_BxN, logp_BxN, num_B = jax.device_get(
+          (out.tokens_BxN, out.logprobs_BxN, out.num_emitted_B))
+      stats.device_time_s += time.perf_counter() - tdev
+      stats.steps += 1
+      stats.steps_by_shape[(bucket, budget)] += 1
+      stats.slot_steps += bucket
+      stats.useful_slot_steps += len(live_idx)
+      stats.trace.append((bucket, budget, len(live_idx), len(queue)))
+
+      for i in live_idx:
+        lv = slots[i]
+        drafted = int(tree_batch.valid_BxT[i].sum()) if budget else 0
+        emitted = int(num_B[i])
+        lv.steps += 1
+        lv.drafted += drafted
+        lv.accepted += emitted - 1
+        stats.drafted += drafted
+        stats.accepted += emitted - 1
+        reason, new = None, []
+        for k in range(emitted):
+          lv.tokens.append(int(tokens_BxN[i, k]))
+          lv.logprobs.append(float(logp_BxN[i, k]))
+          new.append(lv.tokens[-1])
+          reason = self._finish_reason(lv)
+          if reason:
+            break
+        stats.tokens += len(new)
+        if self.drafter is not None:
+          self.drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(new, np.int32),
+                               drafted, emitted - 1)
+        if reason:
+          results[id(lv.req)] = RequestResult(
+              lv.req.request_id, lv.req.group_id, np.asarray(lv.req.prompt, np.int32),
+              np.asarray(lv.tokens, np.int32), np.asarray(lv.logprobs, np.float32), reason,
+              steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
+              finish_time=time.perf_counter() - t0)
+          if self.drafter is not None:
+            self.drafter.finish(lv.req.request_id, lv.req.group_id)
+          slots[i] = None
+    stats.total_time_s = time.perf_counter() - t0
+    return [results[k] for k in order]
