@@ -257,7 +257,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, param_dtype=None,
       hf_cfg = json.load(f)
     except ValueError as e:
       raise ValueError(f"{cfg_path}: invalid JSON: {e}") from e
-  cfg = ModelConfig.from_hf(hf_cfg, source=cfg_path, **_overrides(param_dtype))
+  cfg = ModelConfig.from_hf(_normalize_hf_config(hf_cfg, cfg_path), source=cfg_path,
+                            **_overrides(param_dtype))
   ckpt = _HFCheckpoint(directory)
 
   def read(path):
@@ -274,10 +275,28 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, param_dtype=None,
   return build_model(cfg, read, mesh=mesh), cfg
 
 
-def load_gguf(path: str | os.PathLike, *, param_dtype=None,
+def _normalize_hf_config(hf: dict, source: str) -> dict:
+  """Maps transformers>=5 `rope_parameters` onto the older `rope_theta`/`rope_scaling` fields.
+
+  Also rejects sliding-window attention, which the decoder does not implement.
+  """
+  hf = dict(hf)
+  rp = hf.get("rope_parameters")
+  if isinstance(rp, dict):
+    if "rope_theta" in rp:
+      hf.setdefault("rope_theta", rp["rope_theta"])
+    if rp.get("rope_type", "default") != "default" and not hf.get("rope_scaling"):
+      hf["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+  if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+    raise ValueError(f"{source}: sliding-window attention (field 'use_sliding_window' / "
+                     "'layer_types') is not supported")
+  return hf
+
+
+def load_gguf(path: "str | os.PathLike | GGUFFile", *, param_dtype=None,
               mesh=None) -> tuple[Transformer, ModelConfig]:
   """Loads a llama.cpp GGUF file (F32/F16/BF16/Q4_0/Q4_1/Q8_0 tensors, dequantized)."""
-  g = GGUFFile(path)
+  g = path if isinstance(path, GGUFFile) else GGUFFile(path)
   cfg = g.config(**_overrides(param_dtype))
 
   def read(p):
