@@ -1,0 +1,346 @@
+"""Run configuration: absl flag definitions -> frozen dataclasses, validated once at start.
+
+Every dataclass field carries the name of the flag it comes from, so a bad value is reported as
+`--spec=foo: expected one of histospec, none` before any work (or any write to the run
+directory) happens. The config is plain data: it is fingerprinted into `RUN_DIR/run_config.json`
+and compared on resume (see `rhyme_jax.checkpoint.ensure_run_config`).
+
+Use from a program (the global absl flags):
+
+  define_flags(flags.FLAGS)            # once, at import time of the main module
+  config = config_from_flags(flags.FLAGS)
+
+or from code and tests, without global state:
+
+  config = parse_flags(["--task=arithmetic", "--group_size=4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from absl import flags
+
+SPECS = ("histospec", "none")
+TASKS = ("arithmetic", "gsm8k")
+DTYPES = ("float32", "bfloat16")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGES = ("grpo", "rloo")
+# Default reward per task; `--reward` overrides it.
+TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
+# Fields that may differ when resuming a run directory (everything else must match).
+RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
+                     "run.eval_every", "run.eval_size", "run.log_every")
+
+
+class ConfigError(ValueError):
+  """A flag has a value that is not allowed; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+  model: str  # known name (smollm2-135m-instruct), HF checkpoint directory or .gguf file
+  tokenizer: str  # '' = from the model
+  param_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+  temperature: float
+  top_p: float
+  top_k: int
+  max_prompt_len: int
+  max_new_tokens: int
+  spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
+  draft_budget: int  # largest draft tree verified per step (tokens)
+  prefill_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptions:
+  group_size: int
+  prompts_per_step: int
+  learning_rate: float
+  warmup_steps: int
+  weight_decay: float
+  max_grad_norm: float
+  clip_eps_low: float
+  clip_eps_high: float
+  kl_beta: float
+  kl_estimator: str
+  loss_aggregation: str
+  advantage: str
+  normalize_std: bool
+  ppo_epochs: int
+  micro_batch_size: int  # samples per gradient micro-batch; 0 = the whole batch at once
+  dynamic_sampling: bool
+  dynamic_sampling_max_rounds: int  # rollout rounds per step at most (1 = no refill)
+  overlong_buffer: int  # DAPO soft overlong penalty over the last N tokens; 0 = off
+  tis_cap: float  # cap of the rollout->trainer importance weight; 0 = no correction
+
+  @property
+  def samples_per_step(self) -> int:
+    return self.group_size * self.prompts_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+  task: str  # 'arithmetic' (synthetic) or 'gsm8k': prompt template and default reward
+  dataset: str  # '' = the task's own train data; else a .jsonl / .parquet path
+  eval_dataset: str  # '' = the task's own test data; else a path
+  data_dir: str  # GSM8K directory ('' = ../shared/datasets/gsm8k or $RHYME_GSM8K_DIR)
+  train_size: int  # 0 = all (arithmetic: how many problems to generate)
+  reward: str  # '' = the task's default
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOptions:
+  data: int
+  fsdp: int
+  tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+  run_dir: str
+  num_steps: int
+  seed: int
+  checkpoint_every: int
+  keep_checkpoints: int
+  eval_every: int  # 0 = no periodic evaluation
+  eval_size: int
+  log_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelOptions
+  rollout: RolloutOptions
+  rl: RLOptions
+  data: DataOptions
+  mesh: MeshOptions
+  run: RunOptions
+
+  @property
+  def reward_name(self) -> str:
+    return self.data.reward or TASK_REWARDS[self.data.task]
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags. (name, default, help) per group; the group's dataclass fields have the same names.
+
+_FLAGS = {
+    ModelOptions: [
+        ("model", "smollm2-135m-instruct", "Model: a known name, an HF checkpoint directory "
+         "(config.json + safetensors) or a .gguf file."),
+        ("tokenizer", "", "Tokenizer: as --model; empty = the model's own."),
+        ("param_dtype", "float32", f"Parameter/compute dtype: {', '.join(DTYPES)}."),
+    ],
+    RolloutOptions: [
+        ("temperature", 0.7, "Sampling temperature (> 0; the trainer's log-probs use it too)."),
+        ("top_p", 1.0, "Nucleus sampling mass in (0, 1]."),
+        ("top_k", 0, "Top-k sampling (0 = off)."),
+        ("max_prompt_len", 256, "Longest prompt in tokens; longer prompts are an error."),
+        ("max_new_tokens", 96, "Response length cap in tokens."),
+        ("spec", "histospec", f"Speculative rollout: {', '.join(SPECS)}."),
+        ("draft_budget", 16, "Largest draft tree verified per decoding step (tokens)."),
+        ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
+    ],
+    RLOptions: [
+        ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
+        ("prompts_per_step", 4, "Prompts per training step (per process)."),
+        ("learning_rate", 1e-6, "AdamW peak learning rate."),
+        ("warmup_steps", 0, "Linear warm-up steps from 0 to the learning rate."),
+        ("weight_decay", 0.0, "AdamW weight decay."),
+        ("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off)."),
+        ("clip_eps_low", 0.2, "PPO ratio clip below: 1 - eps."),
+        ("clip_eps_high", 0.28, "PPO ratio clip above: 1 + eps (DAPO clip-higher)."),
+        ("kl_beta", 0.0, "KL penalty to the initial model (0 = no reference model)."),
+        ("kl_estimator", "k3", f"KL estimator: {', '.join(KL_ESTIMATORS)}."),
+        ("loss_aggregation", "token-mean", f"Loss aggregation: {', '.join(AGGREGATIONS)}."),
+        ("advantage", "grpo", f"Advantage estimator: {', '.join(ADVANTAGES)}."),
+        ("normalize_std", True, "Divide group-centred rewards by the group std."),
+        ("ppo_epochs", 1, "Optimisation epochs over each rollout batch."),
+        ("micro_batch_size", 0, "Samples per gradient micro-batch (0 = whole batch); must "
+         "divide group_size * prompts_per_step."),
+        ("dynamic_sampling", False, "Drop groups whose rewards are all equal and refill from "
+         "the next prompts (DAPO)."),
+        ("dynamic_sampling_max_rounds", 3, "Rollout rounds per step at most when refilling."),
+        ("overlong_buffer", 0, "Soft overlong penalty over the last N tokens before "
+         "max_new_tokens (0 = off)."),
+        ("tis_cap", 2.0, "Cap of the rollout/trainer importance weight (0 = no correction)."),
+    ],
+    DataOptions: [
+        ("task", "arithmetic", f"Task: {', '.join(TASKS)} (prompt template and default reward)."),
+        ("dataset", "", "Training data: empty = the task's own; else a .jsonl/.parquet path "
+         "with question/answer fields."),
+        ("eval_dataset", "", "Evaluation data: empty = the task's test split; else a path."),
+        ("data_dir", "", "GSM8K directory (empty = the default location)."),
+        ("train_size", 0, "Use the first N training examples (0 = all; arithmetic: how many "
+         "to generate, default 2000)."),
+        ("reward", "", "Reward name, e.g. 'gsm8k+0.1*format' (empty = the task's default)."),
+    ],
+    MeshOptions: [
+        ("data", -1, "Mesh 'data' axis size (-1 = the remaining devices)."),
+        ("fsdp", 1, "Mesh 'fsdp' axis size."),
+        ("tensor", 1, "Mesh 'tensor' axis size."),
+    ],
+    RunOptions: [
+        ("run_dir", "", "Run directory (checkpoints, metrics, run_config.json). Required."),
+        ("num_steps", 30, "Training steps."),
+        ("seed", 0, "Seed of data order and sampling."),
+        ("checkpoint_every", 10, "Save a checkpoint every N steps (and at the end)."),
+        ("keep_checkpoints", 2, "Checkpoints kept."),
+        ("eval_every", 0, "Greedy evaluation every N steps (0 = off)."),
+        ("eval_size", 32, "Held-out examples per evaluation."),
+        ("log_every", 1, "Print progress every N steps."),
+    ],
+}
+_MESH_FLAG = {"data": "mesh_data", "fsdp": "mesh_fsdp", "tensor": "mesh_tensor"}
+
+
+def _flag_name(group, name: str) -> str:
+  return _MESH_FLAG[name] if group is MeshOptions else name
+
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines every run flag in `fv` (once)."""
+  for group, entries in _FLAGS.items():
+    for name, default, help_text in entries:
+      flag = _flag_name(group, name)
+      if flag in fv:
+        continue
+      if isinstance(default, bool):
+        flags.DEFINE_bool(flag, default, help_text, flag_values=fv)
+      elif isinstance(default, int):
+        flags.DEFINE_integer(flag, default, help_text, flag_values=fv)
+      elif isinstance(default, float):
+        flags.DEFINE_float(flag, default, help_text, flag_values=fv)
+      else:
+        flags.DEFINE_string(flag, default, help_text, flag_values=fv)
+
+
+def config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> Config:
+  """Builds the validated Config from parsed flags; raises ConfigError naming a bad flag."""
+  parts = {}
+  for group, entries in _FLAGS.items():
+    parts[group] = group(**{name: fv[_flag_name(group, name)].value for name, _, _ in entries})
+  config = Config(model=parts[ModelOptions], rollout=parts[RolloutOptions], rl=parts[RLOptions],
+                  data=parts[DataOptions], mesh=parts[MeshOptions], run=parts[RunOptions])
+  validate(config)
+  return config
+
+
+def parse_flags(argv: Sequence[str]) -> Config:
+  """Parses flag strings (no program name) into a validated Config, without global state."""
+  fv = flags.FlagValues()
+  define_flags(fv)
+  try:
+    fv(["rhyme_jax"] + list(argv))
+  except flags.Error as e:
+    raise ConfigError(str(e)) from e
+  return config_from_flags(fv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation.
+
+
+def _fail(flag: str, value, allowed: str):
+  raise ConfigError(f"--{flag}={value}: expected {allowed}")
+
+
+def _one_of(flag: str, value, choices: Sequence[str]):
+  if value not in choices:
+    _fail(flag, value, f"one of {', '.join(choices)}")
+
+
+def _at_least(flag: str, value, low):
+  if not value >= low:
+    _fail(flag, value, f"an integer >= {low}" if isinstance(low, int) else f"a number >= {low}")
+
+
+def validate(c: Config) -> None:
+  """Checks every value; the first bad one raises ConfigError naming its flag."""
+  m, r, rl, d, mesh, run = c.model, c.rollout, c.rl, c.data, c.mesh, c.run
+  if not m.model:
+    _fail("model", "''", "a known model name, an HF checkpoint directory or a .gguf file")
+  _one_of("param_dtype", m.param_dtype, DTYPES)
+
+  if not (r.temperature > 0 and math.isfinite(r.temperature)):
+    _fail("temperature", r.temperature, "a finite number > 0 (training needs a sampling "
+          "distribution; evaluation is greedy on its own)")
+  if not 0.0 < r.top_p <= 1.0:
+    _fail("top_p", r.top_p, "a number in (0, 1]")
+  _at_least("top_k", r.top_k, 0)
+  _at_least("max_prompt_len", r.max_prompt_len, 1)
+  _at_least("max_new_tokens", r.max_new_tokens, 1)
+  _one_of("spec", r.spec, SPECS)
+  _at_least("draft_budget", r.draft_budget, 1)
+  _at_least("prefill_chunk", r.prefill_chunk, 1)
+
+  _at_least("group_size", rl.group_size, 2)
+  _at_least("prompts_per_step", rl.prompts_per_step, 1)
+  if not (rl.learning_rate > 0 and math.isfinite(rl.learning_rate)):
+    _fail("learning_rate", rl.learning_rate, "a finite number > 0")
+  _at_least("warmup_steps", rl.warmup_steps, 0)
+  _at_least("weight_decay", rl.weight_decay, 0.0)
+  _at_least("max_grad_norm", rl.max_grad_norm, 0.0)
+  if not 0.0 <= rl.clip_eps_low < 1.0:
+    _fail("clip_eps_low", rl.clip_eps_low, "a number in [0, 1)")
+  _at_least("clip_eps_high", rl.clip_eps_high, 0.0)
+  _at_least("kl_beta", rl.kl_beta, 0.0)
+  _one_of("kl_estimator", rl.kl_estimator, KL_ESTIMATORS)
+  _one_of("loss_aggregation", rl.loss_aggregation, AGGREGATIONS)
+  _one_of("advantage", rl.advantage, ADVANTAGES)
+  _at_least("ppo_epochs", rl.ppo_epochs, 1)
+  _at_least("micro_batch_size", rl.micro_batch_size, 0)
+  if rl.micro_batch_size and rl.samples_per_step % rl.micro_batch_size:
+    _fail("micro_batch_size", rl.micro_batch_size,
+          f"0 or a divisor of group_size * prompts_per_step = {rl.samples_per_step}")
+  _at_least("dynamic_sampling_max_rounds", rl.dynamic_sampling_max_rounds, 1)
+  _at_least("overlong_buffer", rl.overlong_buffer, 0)
+  if rl.overlong_buffer > r.max_new_tokens:
+    _fail("overlong_buffer", rl.overlong_buffer,
+          f"0 or at most --max_new_tokens={r.max_new_tokens}")
+  _at_least("tis_cap", rl.tis_cap, 0.0)
+
+  _one_of("task", d.task, TASKS)
+  for flag, path in (("dataset", d.dataset), ("eval_dataset", d.eval_dataset)):
+    if path and not path.lower().endswith((".jsonl", ".json", ".parquet")):
+      _fail(flag, path, "empty (the task's own data) or a .jsonl / .parquet file path")
+  _at_least("train_size", d.train_size, 0)
+  # --reward names are checked by the trainer against the reward registry (rl/ sits above
+  # this module), still before anything is written.
+
+  for axis in ("data", "fsdp", "tensor"):
+    size = getattr(mesh, axis)
+    if size != -1 and size < 1:
+      _fail(_MESH_FLAG[axis], size, "an integer >= 1, or -1 for all remaining devices")
+  if sum(getattr(mesh, a) == -1 for a in ("data", "fsdp", "tensor")) > 1:
+    raise ConfigError(f"--mesh_data={mesh.data} --mesh_fsdp={mesh.fsdp} "
+                      f"--mesh_tensor={mesh.tensor}: at most one mesh axis may be -1")
+
+  if not run.run_dir:
+    _fail("run_dir", "''", "a directory path (where checkpoints and metrics go)")
+  _at_least("num_steps", run.num_steps, 1)
+  _at_least("seed", run.seed, 0)
+  _at_least("checkpoint_every", run.checkpoint_every, 1)
+  _at_least("keep_checkpoints", run.keep_checkpoints, 1)
+  _at_least("eval_every", run.eval_every, 0)
+  _at_least("eval_size", run.eval_size, 1)
+  _at_least("log_every", run.log_every, 1)
+  # Request ids (int32) are step * ids_per_step + offset: keep them in range.
+  if (run.num_steps + 1) * ids_per_step(c) >= 2**31:
+    _fail("num_steps", run.num_steps, f"fewer steps: request ids run past 2^31 with "
+          f"{ids_per_step(c)} ids per step (lower --prompts_per_step, --group_size or "
+          "--dynamic_sampling_max_rounds)")
+
+
+def ids_per_step(c: Config) -> int:
+  """Request ids one training step may use: rounds x prompts x samples."""
+  rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+  return rounds * c.rl.samples_per_step
