@@ -108,13 +108,13 @@ class GGUFFile:
     num_heads = int(self.get(f"{a}.attention.head_count"))
     num_kv = int(self.get(f"{a}.attention.head_count_kv", num_heads))
     head_dim = int(self.get(f"{a}.attention.key_length", hidden // num_heads))
-    if self.has("tokenizer.ggml.tokens"):
-      vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
-    else:
-      vocab = int(self.get(f"{a}.vocab_size"))
     embd = self.tensors.get("token_embd.weight")
     if embd is not None:
       vocab = int(embd.shape[-1])  # ggml order: [hidden, vocab]; the matrix is authoritative
+    elif self.has("tokenizer.ggml.tokens"):
+      vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+    else:
+      vocab = int(self.get(f"{a}.vocab_size"))
     kw = dict(
         arch=_ARCH[arch_name],
         vocab_size=vocab,

@@ -187,21 +187,22 @@ def _abstract_model(cfg: ModelConfig):
   return graphdef, params, rest
 
 
-def _shardings_by_path(params, mesh) -> dict[str, object] | None:
+def _shardings_by_path(pure_params, mesh, cfg: ModelConfig) -> dict[str, object] | None:
+  """Parameter path -> `NamedSharding` from `rhyme_jax.parallel` (None without a mesh)."""
   if mesh is None:
     return None
-  from rhyme_jax import parallel  # written elsewhere; imported only when sharding is asked for
-  shardings = parallel.param_shardings(params, mesh)
+  from rhyme_jax import parallel  # imported only when sharding is asked for
+  shardings = parallel.param_shardings(pure_params, mesh, cfg)
   flat = jax.tree_util.tree_flatten_with_path(
       shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
-  return {_param_path(p).removesuffix(".value"): s for p, s in flat}
+  return {_param_path(p): s for p, s in flat}
 
 
 def build_model(cfg: ModelConfig, read: Reader, *, mesh=None) -> Transformer:
   """Fills an abstractly built `Transformer` with arrays from `read`, placing each on device."""
   graphdef, params, rest = _abstract_model(cfg)
-  shardings = _shardings_by_path(params, mesh)
   pure = nnx.to_pure_dict(params)
+  shardings = _shardings_by_path(pure, mesh, cfg)
   dtype = np.dtype(cfg.jnp_param_dtype)
 
   def load(key_path, spec):

@@ -154,6 +154,7 @@ def smollm2_prompt(smollm2_tokenizer):
   return smollm2_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
 
 
+@pytest.mark.slow  # loads SmolLM2 twice (~30-60 s on 2 cores)
 def test_smollm2_logits_match_transformers(smollm2, smollm2_hf, smollm2_prompt):
   model, cfg = smollm2
   assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
@@ -163,6 +164,7 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_hf, smollm2_prompt):
   assert diff <= REL_TOL * scale, (diff, scale)
 
 
+@pytest.mark.slow  # plus jit of the 30-layer model for prefill and decode
 def test_smollm2_greedy_matches_transformers(smollm2, smollm2_hf, smollm2_prompt,
                                              smollm2_tokenizer):
   model, cfg = smollm2
