@@ -1,0 +1,133 @@
+"""Tokenizer parity with transformers on the real SmolLM2 GGUF, plus HF-directory loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rhyme_jax.models.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    " 123 4567 89.5 1,000,000 and 3.14159",
+    "x=12345678901234567890; y = -0.001e-5",
+    "héllo wörld ñ façade — “quotes” «guillemets» 日本語 中文 한국어 Ελληνικά русский",
+    "emoji 🤖🎉👍🏽 family 👨‍👩‍👧 flags 🇫🇷🇯🇵",
+    "  lots   of\tspaces\n\n\n  and\r\nnewlines  \n",
+    "def f(x):\n    return x**2  # square\n\nprint(f(3))\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "don't I'll we've SHE'S it's",
+    "",
+    " ",
+    "\u00a0non-breaking\u2003em-space\u200bzero-width",
+    "a" * 64,
+    "Tom has 3 apples. He buys 5 more. How many? #### 8",
+]
+
+MESSAGES = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name a color."},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another 🎨?"}],
+]
+
+
+def test_ids_match_transformers(smollm2_tokenizer, smollm2_hf_tokenizer):
+  for text in TEXTS:
+    want = smollm2_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert smollm2_tokenizer.encode(text) == want, text
+    assert smollm2_tokenizer.encode(text, add_special_tokens=True) == (
+        smollm2_hf_tokenizer(text, add_special_tokens=True)["input_ids"]), text
+
+
+def test_decode_matches_transformers(smollm2_tokenizer, smollm2_hf_tokenizer):
+  for text in TEXTS:
+    ids = smollm2_tokenizer.encode(text)
+    assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert smollm2_tokenizer.decode(ids) == smollm2_hf_tokenizer.decode(
+        ids, skip_special_tokens=True), text
+
+
+def test_batch_roundtrip(smollm2_tokenizer):
+  ids = smollm2_tokenizer.encode_batch(TEXTS)
+  assert ids == [smollm2_tokenizer.encode(t) for t in TEXTS]
+  assert smollm2_tokenizer.decode_batch(ids, skip_special_tokens=False) == TEXTS
+
+
+@pytest.mark.parametrize("which", range(len(MESSAGES)))
+@pytest.mark.parametrize("gen", [True, False])
+def test_chat_template_matches_transformers(smollm2_tokenizer, smollm2_hf_tokenizer, which, gen):
+  msgs = MESSAGES[which]
+  text = smollm2_tokenizer.apply_chat_template(msgs, add_generation_prompt=gen)
+  assert text == smollm2_hf_tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                          add_generation_prompt=gen)
+  ids = smollm2_tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+  assert ids == smollm2_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+  assert ids.count(smollm2_tokenizer.token_to_id("<|im_start|>")) == (
+      len(msgs) + (msgs[0]["role"] != "system") + gen)
+
+
+def test_special_ids(smollm2_tokenizer, smollm2_hf_tokenizer):
+  tok = smollm2_tokenizer
+  assert tok.vocab_size == 49152 == len(smollm2_hf_tokenizer)
+  assert tok.eos_id == smollm2_hf_tokenizer.eos_token_id == tok.token_to_id("<|im_end|>")
+  assert tok.pad_id == smollm2_hf_tokenizer.pad_token_id
+  assert tok.bos_id == smollm2_hf_tokenizer.bos_token_id
+  assert set(tok.stop_ids) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+  assert tok.decode([tok.token_to_id("<|im_start|>"), 19556]) == tok.decode([19556])
+
+
+def test_from_directory_matches_gguf(tmp_path, smollm2_tokenizer, smollm2_hf_tokenizer):
+  smollm2_hf_tokenizer.save_pretrained(tmp_path)
+  if not (tmp_path / "tokenizer.json").exists():
+    pytest.skip("transformers did not write tokenizer.json")
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok, Tokenizer)
+  for text in TEXTS:
+    assert tok.encode(text) == smollm2_tokenizer.encode(text), text
+  assert tok.eos_id == smollm2_tokenizer.eos_id
+  assert tok.stop_ids[0] == smollm2_tokenizer.eos_id
+  for msgs in MESSAGES:
+    assert tok.apply_chat_template(msgs) == smollm2_tokenizer.apply_chat_template(msgs)
+
+
+def test_template_raise_exception_and_sandbox(tmp_path, smollm2_hf_tokenizer):
+  smollm2_hf_tokenizer.save_pretrained(tmp_path)
+  conf_path = tmp_path / "tokenizer_config.json"
+  conf = json.loads(conf_path.read_text())
+  conf["chat_template"] = ("{% if messages[0]['role'] != 'user' %}"
+                           "{{ raise_exception('first message must be from the user') }}"
+                           "{% endif %}{{ messages | tojson }}")
+  conf_path.write_text(json.dumps(conf))
+  (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+  tok = Tokenizer.from_directory(tmp_path)
+  with pytest.raises(Exception, match="first message must be from the user"):
+    tok.apply_chat_template([{"role": "assistant", "content": "x"}])
+  assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == (
+      '[{"role": "user", "content": "é"}]')
+  tok.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+  with pytest.raises(Exception, match="unsafe|not safely|SecurityError|access"):
+    tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_directory_without_tokenizer_json(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    Tokenizer.from_directory(tmp_path)
+
+
+def test_gguf_without_tokenizer_names_field(tmp_path):
+  import gguf
+  path = tmp_path / "notok.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match=r"notok\.gguf.*'tokenizer\.ggml\.model'"):
+    Tokenizer.from_gguf(path)
