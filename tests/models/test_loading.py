@@ -328,3 +328,22 @@ def test_load_with_mesh_shards_parameters(hf_dir):
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stdout + r.stderr
   assert "MAXDIFF" in r.stdout
+
+
+def test_bf16_safetensors_and_load_model_dispatch(tmp_path):
+  hf_model = _tiny_hf("qwen2", tied=False).to(torch.bfloat16)
+  hf_model.save_pretrained(tmp_path / "bf16", safe_serialization=True)
+  header_len = int.from_bytes((tmp_path / "bf16" / "model.safetensors").read_bytes()[:8], "little")
+  header = json.loads((tmp_path / "bf16" / "model.safetensors").read_bytes()[8:8 + header_len])
+  assert header["lm_head.weight"]["dtype"] == "BF16"
+  model, cfg = loading.load_model(str(tmp_path / "bf16"))
+  assert cfg.param_dtype == "float32"
+  want = hf_model.state_dict()["model.layers.1.self_attn.v_proj.bias"].float().numpy()
+  np.testing.assert_array_equal(np.asarray(model.layers[1].attn.v_proj.bias[...]), want)
+
+  gguf_path = write_gguf(tmp_path / "m.gguf", _tiny_hf("llama", tied=True), "llama")
+  model, cfg = loading.load_model(str(gguf_path), param_dtype=jnp.bfloat16)
+  assert cfg.param_dtype == "bfloat16" and model.embed.embedding[...].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"notes\.txt: expected an HF checkpoint directory"):
+    (tmp_path / "notes.txt").write_text("x")
+    loading.load_model(str(tmp_path / "notes.txt"))
