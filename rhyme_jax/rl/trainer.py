@@ -237,7 +237,7 @@ def update_step(graphdef, tx, loss_cfg: losses.PolicyLossConfig, temperature: fl
   grads = jax.tree.map(lambda g: g / num_micro, grads)
   mets = {k: v / num_micro for k, v in mets.items()}
   mets["loss"] = loss / num_micro
-  mets["grad_norm"] = optax.global_norm(grads)
+  mets["grad_norm"] = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, mets
