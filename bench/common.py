@@ -1,0 +1,76 @@
+"""Small helpers shared by the benchmark scripts: device description, dates, timing, and
+appending a result section (table + device + date + exact command) to bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def device_description() -> str:
+  """E.g. 'cpu: 1 x cpu (AMD EPYC, 2 cores), jax 0.10.2' or 'gpu: 1 x NVIDIA H100 80GB HBM3'."""
+  import jax
+  devices = jax.devices()
+  kind = devices[0].device_kind
+  text = f"{jax.default_backend()}: {len(devices)} x {kind}"
+  if jax.default_backend() == "cpu":
+    text += f" ({_cpu_model()}, {os.cpu_count()} cores)"
+  return f"{text}, jax {jax.__version__}"
+
+
+def today() -> str:
+  return datetime.date.today().isoformat()
+
+
+def command_line() -> str:
+  """The command that is running, as one could paste it into a shell."""
+  return "python " + shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def median_time(fn: Callable[[], object], reps: int) -> float:
+  """Median wall seconds of `fn()` over `reps` runs; `fn` must block on its own results."""
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+  lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def append_results(title: str, table: str, notes: Sequence[str] = (), command: str | None = None,
+                   path: str = RESULTS_PATH) -> str:
+  """Appends one section to RESULTS.md (never rewrites earlier ones); returns the text."""
+  parts = [f"\n## {title}\n",
+           f"- date: {today()}",
+           f"- device: {device_description()}",
+           f"- command: `{command or command_line()}`"]
+  parts += [f"- {n}" for n in notes]
+  text = "\n".join(parts) + "\n\n" + table + "\n"
+  with open(path, "a") as f:
+    f.write(text)
+  return text
