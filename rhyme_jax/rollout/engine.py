@@ -136,6 +136,28 @@ class _Live:
   accepted: int = 0
 
 
+# Compiled once per process and shape: jit's cache is keyed on the (hashable) graphdef, the
+# static flags and the argument shapes, so engines over the same model share compilations.
+# TRACE_COUNTS counts traces (= compilations) per function, for tests and logs.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def _counted(kind, fn):
+  @functools.wraps(fn)
+  def wrapped(*args, **kw):
+    TRACE_COUNTS[kind] += 1  # runs once per trace
+    return fn(*args, **kw)
+  return wrapped
+
+
+_verify_jit = jax.jit(_counted("step", step.verify_step), static_argnums=(0,),
+                      static_argnames=("filters",), donate_argnums=(2,))
+_prefill_jit = jax.jit(_counted("prefill", step.prefill_chunk), static_argnums=(0,),
+                       donate_argnums=(2,))
+_load_jit = jax.jit(_counted("load", step.load_slot), donate_argnums=(0,))
+_regroup_jit = jax.jit(_counted("regroup", step.regroup))
+
+
 class RolloutEngine:
   """Generates responses for many requests; see the module docstring."""
 
@@ -144,34 +166,30 @@ class RolloutEngine:
     self.model_config = model.cfg
     self.graphdef, self.params = nnx.split(model)
     self.drafter = drafter
-    self.num_traces = collections.Counter()  # compilations per function kind
     self.stats = EngineStats()
-    self._step_fns = {}
-    self._prefill_fns = {}
-    self._load_fn = jax.jit(self._counted("load", step.load_slot), donate_argnums=0)
-    self._regroup_fn = jax.jit(self._counted("regroup", step.regroup))
 
-  # ---- compiled pieces -------------------------------------------------------------------------
+  def _new_state(self, bucket: int) -> step.DecodeState:
+    return step.DecodeState.empty(KVCache.zeros(self.model_config, bucket, self.config.cache_len))
 
-  def _counted(self, kind, fn):
-    @functools.wraps(fn)
-    def wrapped(*args, **kw):
-      self.num_traces[kind] += 1  # runs once per trace, i.e. per compilation
-      return fn(*args, **kw)
-    return wrapped
+  def _shrink(self, state: step.DecodeState, bucket: int, order: list[int]):
+    """Moves rows `order` into the next smaller bucket (one level at a time, so only
+    len(buckets) - 1 regroup shapes ever compile)."""
+    smaller = max(b for b in self.config.buckets if b < bucket)
+    return _regroup_jit(state, jnp.asarray(order[:smaller], jnp.int32)), smaller
 
-  def _step_fn(self, bucket: int, budget: int, filters: bool):
-    key = (bucket, budget, filters)
-    if key not in self._step_fns:
-      fn = functools.partial(step.verify_step, self.graphdef, filters=filters)
-      self._step_fns[key] = jax.jit(self._counted("step", fn), donate_argnums=1)
-    return self._step_fns[key]
-
-  def _prefill_fn(self):
-    if "prefill" not in self._prefill_fns:
-      fn = functools.partial(step.prefill_chunk, self.graphdef)
-      self._prefill_fns["prefill"] = jax.jit(self._counted("prefill", fn), donate_argnums=1)
-    return self._prefill_fns["prefill"]
+  def warmup(self, filters: bool = False) -> None:
+    """Compiles every (bucket, budget) step, the prefill, slot loading and bucket moves up front,
+    so a rollout never compiles."""
+    seed = jnp.uint32(self.config.seed)
+    buckets = sorted(self.config.buckets, reverse=True)
+    for bucket in buckets:
+      state = self._new_state(bucket)
+      for budget in self.config.budgets:
+        trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
+        state, _ = _verify_jit(self.graphdef, self.params, state, trees, seed, filters=filters)
+      state = self._admit(state, 0, Request(-1, [0, 0], SamplingParams()))
+      if bucket != buckets[-1]:
+        self._shrink(state, bucket, list(range(bucket)))
 
   def update_params(self, model_or_params) -> None:
     """Swaps in new weights (same structure); compiled functions are kept."""
@@ -232,12 +250,12 @@ class RolloutEngine:
       chunk = np.zeros(c, np.int32)
       piece = body[start:start + c]
       chunk[:len(piece)] = piece
-      cache = self._prefill_fn()(self.params, cache, jnp.int32(slot), jnp.asarray(chunk),
-                                 jnp.int32(start))
+      cache = _prefill_jit(self.graphdef, self.params, cache, jnp.int32(slot),
+                           jnp.asarray(chunk), jnp.int32(start))
       self.stats.prefill_chunks += 1
     state = state.replace(cache=cache)
     p = req.params
-    return self._load_fn(state, jnp.int32(slot), jnp.int32(len(body)), jnp.int32(prompt[-1]),
+    return _load_jit(state, jnp.int32(slot), jnp.int32(len(body)), jnp.int32(prompt[-1]),
                          jnp.int32(req.request_id), jnp.float32(p.temperature),
                          jnp.float32(p.top_p), jnp.int32(p.top_k))
 
@@ -278,8 +296,7 @@ class RolloutEngine:
     order = [id(r) for r in requests]
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
-    state = step.DecodeState.empty(
-        KVCache.zeros(self.model_config, bucket, self.config.cache_len))
+    state = self._new_state(bucket)
     slots: list[_Live | None] = [None] * bucket
     seed = jnp.uint32(self.config.seed)
 
@@ -290,11 +307,10 @@ class RolloutEngine:
           state = self._admit(state, i, req)
           slots[i] = _Live(req, [], [])
       live_idx = [i for i in range(bucket) if slots[i] is not None]
-      if not queue and self.bucket_for(len(live_idx)) < bucket:
-        bucket = self.bucket_for(len(live_idx))
-        keep = live_idx + [i for i in range(len(slots)) if slots[i] is None]
-        state = self._regroup_fn(state, jnp.asarray(keep[:bucket], jnp.int32))
-        slots = [slots[i] for i in keep[:bucket]]
+      while not queue and self.bucket_for(len(live_idx)) < bucket:
+        rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]
+        state, bucket = self._shrink(state, bucket, rows)
+        slots = [slots[i] for i in rows[:bucket]]
         live_idx = list(range(len(live_idx)))
 
       budget = self.budget_for(len(live_idx))
@@ -316,7 +332,8 @@ class RolloutEngine:
       stats.draft_time_s += time.perf_counter() - td
 
       tdev = time.perf_counter()
-      state, out = self._step_fn(bucket, budget, filters)(self.params, state, tree_batch, seed)
+      state, out = _verify_jit(self.graphdef, self.params, state, tree_batch, seed,
+                               filters=filters)
       tokens_BxN, logp_BxN, num_B = jax.device_get(
           (out.tokens_BxN, out.logprobs_BxN, out.num_emitted_B))
       stats.device_time_s += time.perf_counter() - tdev

@@ -70,15 +70,18 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
                                   rep(state.temperature_B), rep(state.top_p_B),
                                   rep(state.top_k_B), filters)
   sampled_BxN, logp_BxN = sampled.reshape(b, n), logp.reshape(b, n)
-  acc = accept.accept_walk(sampled_BxN, tree.tokens_BxT, tree.parents_BxT, tree.valid_BxT)
-  nodes_BxN = accept.emitted_nodes(acc)
-  emitted_BxN = jnp.take_along_axis(sampled_BxN, nodes_BxN, axis=1)
-  emitted_logp_BxN = jnp.take_along_axis(logp_BxN, nodes_BxN, axis=1)
-  cache = out.cache
-  if t > 0:
-    cache = kv_cache.compact_accepted(cache, state.length_B, acc.path_BxT, acc.num_accepted_B)
-  num_B = acc.num_accepted_B + 1
-  new_root_B = jnp.take_along_axis(emitted_BxN, acc.num_accepted_B[:, None], axis=1)[:, 0]
+  if t == 0:  # plain decoding: the root's sample is the one emitted token
+    num_acc_B = jnp.zeros((b,), jnp.int32)
+    emitted_BxN, emitted_logp_BxN, cache = sampled_BxN, logp_BxN, out.cache
+  else:
+    acc = accept.accept_walk(sampled_BxN, tree.tokens_BxT, tree.parents_BxT, tree.valid_BxT)
+    nodes_BxN = accept.emitted_nodes(acc)
+    emitted_BxN = jnp.take_along_axis(sampled_BxN, nodes_BxN, axis=1)
+    emitted_logp_BxN = jnp.take_along_axis(logp_BxN, nodes_BxN, axis=1)
+    num_acc_B = acc.num_accepted_B
+    cache = kv_cache.compact_accepted(out.cache, state.length_B, acc.path_BxT, num_acc_B)
+  num_B = num_acc_B + 1
+  new_root_B = jnp.take_along_axis(emitted_BxN, num_acc_B[:, None], axis=1)[:, 0]
   new_state = state.replace(cache=cache, length_B=state.length_B + num_B, root_B=new_root_B)
   return new_state, StepOutput(emitted_BxN, emitted_logp_BxN, num_B)
 

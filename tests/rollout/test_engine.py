@@ -1,0 +1,141 @@
+"""Engine behaviour: speculation never changes what is sampled, shapes compile once, slots stay
+full, bad requests fail alone."""
+
+import numpy as np
+import pytest
+
+from rhyme_jax.rollout.drafts import NoDrafts, OracleDrafter, RandomDrafter
+from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
+from rhyme_jax.rollout.sampling import SamplingParams
+
+from tests.rollout.conftest import mixed_prompts
+
+EOS = 3
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=24),
+    "t1.0": SamplingParams(temperature=1.0, max_new_tokens=24),
+    "t0.7_topp0.9": SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24),
+}
+
+
+def requests(params, n=8, seed=0):
+  return [Request(i, p, params, group_id=i // 4) for i, p in enumerate(mixed_prompts(n, 64, seed))]
+
+
+def engine(model, drafter, budget=4, buckets=(4, 2, 1)):
+  cfg = EngineConfig(max_len=64, buckets=buckets, budgets=(budget,),
+                     budget_by_batch=((1 << 30, budget),), eos_ids=(EOS,), seed=5)
+  return RolloutEngine(model, cfg, drafter)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_speculation_is_invisible_same_step_shape(tiny_model, name):
+  """Oracle, wrong-branch, garbage and EOS-laden drafts emit exactly what empty drafts emit."""
+  params = PARAMS[name]
+  plain = engine(tiny_model, NoDrafts()).generate(requests(params))
+  targets = {r.request_id: r.tokens for r in plain}
+  drafters = {
+      "oracle": OracleDrafter(targets, 64, accuracy=1.0),
+      "oracle_branchy": OracleDrafter(targets, 64, accuracy=0.7, branches=2, seed=1),
+      "garbage_with_eos": RandomDrafter(64, seed=2, extra_tokens=(EOS,)),
+  }
+  for dname, drafter in drafters.items():
+    eng = engine(tiny_model, drafter)
+    spec = eng.generate(requests(params))
+    for a, b in zip(plain, spec):
+      np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"{dname} request {a.request_id}")
+      assert a.finish_reason == b.finish_reason
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    if dname == "oracle":
+      assert eng.stats.mean_accepted_length > 3.0  # perfect drafts: ~budget+1 per verify
+      assert eng.stats.forwards_per_token < 0.5
+  assert any(r.finish_reason == "eos" for r in plain) or name == "greedy"
+
+
+def test_against_one_token_decoding_divergences_are_near_ties(tiny_model):
+  """Tree verification vs true one-token steps (different matmul shapes): any divergence is a
+  float near-tie of the two top logits at the first differing position."""
+  params = SamplingParams(temperature=0.0, max_new_tokens=40)
+  reqs = lambda: requests(params, n=12, seed=3)
+  one = engine(tiny_model, None, budget=0).generate(reqs())
+  targets = {r.request_id: r.tokens for r in one}
+  spec = engine(tiny_model, OracleDrafter(targets, 64, accuracy=0.8), budget=6).generate(reqs())
+  divergent = 0
+  for a, b in zip(one, spec):
+    if np.array_equal(a.tokens, b.tokens):
+      continue
+    divergent += 1
+    k = int(np.argmax(a.tokens[:len(b.tokens)] != b.tokens[:len(a.tokens)]))
+    seq = np.concatenate([a.prompt, a.tokens[:k]])[None]
+    logits = np.asarray(tiny_model(seq, np.arange(seq.shape[1])[None]).logits_BxTxV)[0, -1]
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] < 1e-4, f"request {a.request_id}: not a near-tie"
+  assert divergent <= 2  # divergences are rare
+
+
+def test_no_recompilation_after_warmup(tiny_model):
+  """Warm-up compiles every shape; rollouts with mixed prompt and response lengths then
+  compile nothing (counted traces)."""
+  eng = engine(tiny_model, RandomDrafter(64, seed=0), buckets=(8, 4, 2, 1))
+  eng.warmup(filters=False)
+  before = dict(TRACE_COUNTS)
+  eng.generate(requests(PARAMS["t1.0"], n=11, seed=2))
+  eng.generate(requests(SamplingParams(0.0, max_new_tokens=5), n=3, seed=4))
+  eng.generate([Request(0, list(range(1, 40)), SamplingParams(0.0, max_new_tokens=20))])
+  assert dict(TRACE_COUNTS) == before
+
+
+def test_continuous_batching_keeps_slots_full(tiny_model):
+  params = [SamplingParams(temperature=1.0, max_new_tokens=int(n))
+            for n in np.random.default_rng(0).integers(1, 30, size=20)]
+  reqs = [Request(i, [1 + i, 2, 5], p) for i, p in enumerate(params)]
+  eng = engine(tiny_model, None, budget=0, buckets=(4, 2, 1))
+  results = eng.generate(reqs)
+  assert all(len(r.tokens) <= p.max_new_tokens for r, p in zip(results, params))
+  while_queued = [(b, live) for b, _, live, queued in eng.stats.trace if queued > 0]
+  assert while_queued and all(live == b for b, live in while_queued)
+  # The tail runs in smaller buckets.
+  assert {b for b, _, _, _ in eng.stats.trace} == {4, 2, 1}
+
+
+def test_bad_requests_fail_alone(tiny_model):
+  good = SamplingParams(temperature=0.0, max_new_tokens=8)
+  reqs = [
+      Request(0, [1, 2, 3], good),
+      Request(1, [], good),
+      Request(2, list(range(60)), good),  # 60 + 8 > max_len 64
+      Request(3, [1, 2], SamplingParams(temperature=0.0, max_new_tokens=0)),
+      Request(4, [1, 2], SamplingParams(temperature=-1.0)),
+      Request(5, [1, 2], SamplingParams(top_p=2.0)),
+      Request(6, [1, 999], good),
+      Request(0, [4, 5], good),  # duplicate id
+      Request(7, [4, 5, 6], good),
+  ]
+  res = engine(tiny_model, None, budget=0).generate(reqs)
+  errors = {i: r.error for i, r in enumerate(res) if r.finish_reason == "error"}
+  assert set(errors) == {1, 2, 3, 4, 5, 6, 7}
+  assert "empty prompt" in errors[1]
+  assert "max_len=64" in errors[2] and "60 tokens" in errors[2]
+  assert "max_new_tokens" in errors[3]
+  assert "temperature" in errors[4]
+  assert "top_p" in errors[5]
+  assert "999" in errors[6] and "vocabulary" in errors[6]
+  assert "duplicate" in errors[7]
+  for i in (0, 8):
+    assert res[i].finish_reason in ("length", "eos") and len(res[i].tokens) > 0
+  # The good requests produce what they produce alone.
+  alone = engine(tiny_model, None, budget=0).generate([reqs[0]])[0]
+  np.testing.assert_array_equal(alone.tokens, res[0].tokens)
+
+
+def test_stop_sequences_and_max_tokens(tiny_model):
+  free = engine(tiny_model, None, budget=0).generate(
+      [Request(0, [7, 8, 9], SamplingParams(temperature=0.0, max_new_tokens=12))])[0]
+  stop = tuple(int(t) for t in free.tokens[4:6])
+  params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_sequences=(stop,))
+  for drafter in (None, OracleDrafter({0: free.tokens}, 64)):
+    res = engine(tiny_model, drafter).generate([Request(0, [7, 8, 9], params)])[0]
+    first = next(i for i in range(2, len(free.tokens) + 1)
+                 if tuple(free.tokens[i - 2:i]) == stop)
+    np.testing.assert_array_equal(res.tokens, free.tokens[:first])
+    assert res.finish_reason == "stop"
