@@ -1,0 +1,97 @@
+"""Flags -> Config: defaults, every shipped flag file parses, bad values name the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import pytest
+
+from rhyme_jax.config import Config, ConfigError, ids_per_step, parse_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.flags")))
+
+
+def test_defaults_are_valid_and_frozen():
+  c = parse_flags(["--run_dir=/tmp/r"])
+  assert isinstance(c, Config)
+  assert c.rollout.spec == "histospec" and c.data.task == "arithmetic"
+  assert c.reward_name == "arithmetic"
+  assert c.rl.samples_per_step == c.rl.group_size * c.rl.prompts_per_step
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.rl.group_size = 3  # type: ignore[misc]
+
+
+def test_task_default_reward_and_override():
+  assert parse_flags(["--run_dir=r", "--task=gsm8k"]).reward_name == "gsm8k+0.1*format"
+  assert parse_flags(["--run_dir=r", "--reward=math_verify"]).reward_name == "math_verify"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_parse_and_document_their_command(path):
+  c = parse_flags([f"--flagfile={path}"])
+  first = open(path).read().splitlines()[:8]
+  assert first[0].startswith("#")
+  assert any("python -m rhyme_jax.main --flagfile=configs/" + os.path.basename(path) in line
+             for line in first)
+  assert c.run.run_dir
+
+
+def test_quickstart_is_small():
+  c = parse_flags([f"--flagfile={os.path.join(REPO, 'configs', 'quickstart.flags')}"])
+  assert c.model.model == "smollm2-135m-instruct" and c.data.task == "arithmetic"
+  assert c.rl.samples_per_step <= 32 and c.rollout.max_new_tokens <= 128
+  assert c.rollout.spec == "histospec" and c.run.num_steps >= 30
+  # Prompts are revisited: history exists for later epochs.
+  assert c.run.num_steps * c.rl.prompts_per_step > c.data.train_size
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--spec=foo", "--spec=foo: expected one of histospec, none"),
+    ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
+    ("--group_size=1", "--group_size=1: expected an integer >= 2"),
+    ("--temperature=0", "--temperature=0.0: expected a finite number > 0"),
+    ("--top_p=1.5", "--top_p=1.5: expected a number in (0, 1]"),
+    ("--clip_eps_low=1.0", "--clip_eps_low=1.0: expected a number in [0, 1)"),
+    ("--kl_estimator=k9", "--kl_estimator=k9: expected one of k1, k2, k3"),
+    ("--loss_aggregation=sum", "--loss_aggregation=sum: expected one of token-mean, "
+     "seq-mean-token-mean"),
+    ("--advantage=ppo", "--advantage=ppo: expected one of grpo, rloo"),
+    ("--micro_batch_size=3", "--micro_batch_size=3: expected 0 or a divisor of group_size * "
+     "prompts_per_step = 16"),
+    ("--overlong_buffer=1000", "--overlong_buffer=1000: expected 0 or at most "
+     "--max_new_tokens=96"),
+    ("--param_dtype=float8", "--param_dtype=float8: expected one of float32, bfloat16"),
+    ("--dataset=data.csv", "--dataset=data.csv: expected empty (the task's own data) or a "
+     ".jsonl / .parquet file path"),
+    ("--mesh_fsdp=0", "--mesh_fsdp=0: expected an integer >= 1, or -1"),
+    ("--num_steps=0", "--num_steps=0: expected an integer >= 1"),
+    ("--learning_rate=-1", "--learning_rate=-1.0: expected a finite number > 0"),
+])
+def test_bad_values_name_the_flag(flag, message):
+  with pytest.raises(ConfigError) as e:
+    parse_flags(["--run_dir=/tmp/r", flag])
+  assert message in str(e.value)
+
+
+def test_unparsable_and_unknown_flags():
+  with pytest.raises(ConfigError, match="group_size"):
+    parse_flags(["--run_dir=r", "--group_size=four"])
+  with pytest.raises(ConfigError, match="no_such_flag"):
+    parse_flags(["--run_dir=r", "--no_such_flag=1"])
+
+
+def test_missing_run_dir_and_two_free_mesh_axes():
+  with pytest.raises(ConfigError, match="--run_dir"):
+    parse_flags([])
+  with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
+    parse_flags(["--run_dir=r", "--mesh_data=-1", "--mesh_tensor=-1"])
+
+
+def test_request_ids_fit_int32():
+  c = parse_flags(["--run_dir=r", "--dynamic_sampling", "--dynamic_sampling_max_rounds=4"])
+  assert ids_per_step(c) == 4 * c.rl.samples_per_step
+  with pytest.raises(ConfigError, match="--num_steps=1000000000"):
+    parse_flags(["--run_dir=r", "--num_steps=1000000000"])
