@@ -180,13 +180,16 @@ class HistoryDrafter:
       budget = min(req.budget, q.budget, self.max_budget)
       sources: list[Source] = []
       ctx = self.context(response)
+      # An empty response is [START] alone: one token, but anchored at the start of every
+      # indexed response, so it drafts how past responses (or siblings) began.
+      min_len = 1 if len(response) == 0 else self.min_match
       if budget > 0 and self.use_history:
         index = self._history_index(q.prompt_key)
         if index is not None:
-          sources += match_sources(index, ctx, min_len=self.min_match, max_len=self.max_match,
+          sources += match_sources(index, ctx, min_len=min_len, max_len=self.max_match,
                                    weight=self.history_weight, decay=self.fallback_decay)
       if budget > 0 and self.use_siblings and q.group_id in self._groups:
-        sources += match_sources(self._groups[q.group_id].index, ctx, min_len=self.min_match,
+        sources += match_sources(self._groups[q.group_id].index, ctx, min_len=min_len,
                                  max_len=self.max_match, weight=self.sibling_weight,
                                  decay=self.fallback_decay)
       tree, _ = build_tree(sources, max(budget, 0), min_prob=self.min_prob, pad_to=q.budget)
