@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct (ours and transformers'), loaded once per session.
+"""Shared fixtures: the real SmolLM2-135M-Instruct (ours and transformers'), loaded once.
 
 Loading the GGUF costs seconds (and transformers' GGUF path much more), so every test that
 needs the real model shares these session-scoped fixtures.

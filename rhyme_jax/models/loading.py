@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Mapping
+from typing import Callable
 
 import jax
 import numpy as np
@@ -146,7 +146,7 @@ def _hf_name(param_path: str) -> str:
   return f"model.layers.{idx}.{rest}"
 
 
-def _file_layout(param_path: str) -> bool:
+def _is_transposed(param_path: str) -> bool:
   """Whether the on-disk tensor is the transpose of ours (linear kernels)."""
   return param_path.endswith(".kernel")
 
@@ -208,7 +208,7 @@ def build_model(cfg: ModelConfig, read: Reader, *, mesh=None) -> Transformer:
   def load(key_path, spec):
     path = _param_path(key_path)
     x, name, fname = read(path)
-    transpose = _file_layout(path) and len(spec.shape) == 2
+    transpose = _is_transposed(path) and len(spec.shape) == 2
     want = tuple(reversed(spec.shape)) if transpose else tuple(spec.shape)
     if tuple(x.shape) != want:
       raise ValueError(f"{fname}: tensor {name!r} has shape {list(x.shape)}, expected "
@@ -341,9 +341,3 @@ def load_model(name_or_path: str | os.PathLike, *, param_dtype=None,
     return load_gguf(path, param_dtype=param_dtype, mesh=mesh)
   raise ValueError(f"{path}: expected an HF checkpoint directory or a .gguf file")
 
-
-def state_summary(model: Transformer) -> Mapping[str, tuple[int, ...]]:
-  """Parameter path -> shape (handy for debugging loaders)."""
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  return {_param_path(p): tuple(x.shape)
-          for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}

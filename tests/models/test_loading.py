@@ -32,7 +32,8 @@ _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_
 
 # HF tensor suffix -> llama.cpp name (per layer).
 _TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
@@ -224,7 +225,8 @@ def test_hf_missing_lm_head_when_untied(hf_dir):
   tensors = load_file(str(st))
   del tensors["lm_head.weight"]
   save_file(tensors, str(st))
-  with pytest.raises(ValueError, match=r"'lm_head\.weight'.*tie_word_embeddings=false.*model\.safetensors"):
+  with pytest.raises(ValueError,
+                     match=r"'lm_head\.weight'.*tie_word_embeddings=false.*model\.safetensors"):
     load_hf_checkpoint(hf_dir)
 
 
