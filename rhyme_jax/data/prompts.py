@@ -33,13 +33,14 @@ class PromptTemplate:
 PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
     "gsm8k": PromptTemplate(
         system="You are a helpful assistant that solves math problems step by step.",
-        instruction="Solve the problem step by step. At the end, write the final answer as "
-                    "a number on its own line after '####', for example: #### 42",
+        instruction="Solve the problem step by step. On the last line, write '####' "
+                    "followed by the final answer as a number.",
         answer_format="hash"),
     "arithmetic": PromptTemplate(
         system="You are a helpful assistant.",
-        instruction="Give a short calculation, then write the final answer after '####', "
-                    "for example: #### 7",
+        # No example number: SmolLM2-135M copied '#### 7' from an example verbatim.
+        instruction="Give a short calculation. On the last line, write '####' followed by "
+                    "the final answer.",
         answer_format="hash"),
     "boxed": PromptTemplate(
         system="You are a helpful assistant that solves math problems step by step.",
