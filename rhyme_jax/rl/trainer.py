@@ -32,6 +32,7 @@ import functools
 import hashlib
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -272,11 +273,14 @@ class Trainer:
     parallel.maybe_initialize_distributed()
     self.mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
 
-    # Everything that can fail on bad input happens before the run directory is touched.
-    self.tokenizer = load_tokenizer(c.model.tokenizer or c.model.model)
-    self.template = get_prompt_template(c.data.task)
+    # Everything that can fail on bad input happens before the run directory is touched,
+    # cheapest checks first.
     self.train_examples = load_examples(c, "train")
     self.eval_examples = load_examples(c, "test")[:c.run.eval_size] if c.run.eval_every else []
+    if (Path(c.run.run_dir) / ckpt_lib.RUN_CONFIG_FILE).exists():
+      ckpt_lib.check_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
+    self.tokenizer = load_tokenizer(c.model.tokenizer or c.model.model)
+    self.template = get_prompt_template(c.data.task)
     self.pipeline = PromptPipeline(self.train_examples, batch_size=c.rl.prompts_per_step,
                                    seed=c.run.seed, render_fn=self._render,
                                    template=self.template)
