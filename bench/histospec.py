@@ -1,0 +1,265 @@
+"""HistoSpec over consecutive epochs: drafts from the previous epoch and from live siblings.
+
+SmolLM2-135M-Instruct (real GGUF weights) answers the same GSM8K train prompts (chat template,
+`gsm8k` prompt template) for `--epochs` epochs, G = `--group_size` samples each. Between epochs
+the policy changes slightly: every weight tensor gets Gaussian noise of `--noise` times its RMS,
+a stand-in for an RL step (the GRPO trainer is not wired in here yet). Per temperature and
+epoch, the same requests run through:
+
+- plain: a budget-0 engine (one-token decode steps, no drafter): the speed baseline;
+- history / siblings / both: an engine verifying a `--budget`-token draft tree per slot every
+  step, drafts from `HistoryDrafter` with the past-epoch index, the live-sibling index, or both.
+
+After each epoch the plain run's responses are recorded as the prompt's history (the next epoch
+drafts from them). Epoch 0 has no history, so only plain and siblings run there.
+
+Reported per (temperature, epoch, drafter): mean accepted length per verify (tokens per
+slot-verify, bonus included), draft hit rate (accepted / drafted tokens), target forward
+passes per token (decode steps / tokens), host drafting time per step, requests whose tokens
+equal the plain run's (speculative verify and one-token decode round differently in the last
+bits, so a near-tie can flip a token), decode tokens/s (tokens / (drafting + device step time),
+prefill excluded) and the whole rollout's tokens/s, each with its ratio to plain. Step
+functions are compiled by `engine.warmup()` before anything is timed.
+
+  python bench/histospec.py                                   # CPU defaults (~10 min, 2 cores)
+  python bench/histospec.py --num_prompts 64 --group_size 8 --max_new_tokens 256 \\
+      --buckets 128,64,32,16,8,4,2,1 --budget 16 --dtype bfloat16            # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+from rhyme_jax.data.datasets import load_gsm8k  # noqa: E402
+from rhyme_jax.data.prompts import get_prompt_template, render_prompt  # noqa: E402
+from rhyme_jax.history.drafter import HistoryDrafter  # noqa: E402
+from rhyme_jax.history.store import HistoryStore, prompt_key  # noqa: E402
+from rhyme_jax.models.loading import load_model  # noqa: E402
+from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
+from rhyme_jax.rollout.engine import (  # noqa: E402
+    TRACE_COUNTS, EngineConfig, Request, RolloutEngine)
+from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
+
+MODEL_NAME = "smollm2-135m-instruct"
+MODES = ("history", "siblings", "both")
+
+
+def _int_list(p, flag, text):
+  try:
+    out = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    p.error(f"--{flag}={text!r}: expected comma-separated integers")
+  if not out or any(x <= 0 for x in out):
+    p.error(f"--{flag}={text!r}: every entry must be > 0")
+  return out
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default=MODEL_NAME, help="model name or path (GGUF / HF directory)")
+  p.add_argument("--num_prompts", type=int, default=2, help="GSM8K train prompts")
+  p.add_argument("--prompt_offset", type=int, default=0, help="index of the first prompt")
+  p.add_argument("--group_size", type=int, default=4, help="samples per prompt (G)")
+  p.add_argument("--max_new_tokens", type=int, default=96)
+  p.add_argument("--epochs", type=int, default=3)
+  p.add_argument("--temperatures", default="1.0,0.6", help="comma-separated temperatures")
+  p.add_argument("--noise", type=float, default=1e-3,
+                 help="weight change between epochs: Gaussian noise, this times each tensor's RMS")
+  p.add_argument("--modes", default=",".join(MODES), help=f"drafters to run, from {MODES}")
+  p.add_argument("--budget", type=int, default=8,
+                 help="verify budget: draft tokens per slot per step (static shape)")
+  p.add_argument("--start_budget", type=int, default=2, help="drafter's adaptive start budget")
+  p.add_argument("--min_prob", type=float, default=0.1, help="drafter's minimum path probability")
+  p.add_argument("--buckets", default="8,2", help="engine batch buckets (compiled shapes)")
+  p.add_argument("--prefill_chunk", type=int, default=64)
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="params and activations; default float32 on cpu, else bfloat16")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed and weight-noise seed")
+  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
+  p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+  args = p.parse_args(argv)
+  try:
+    args.temperatures = tuple(float(t) for t in args.temperatures.split(","))
+  except ValueError:
+    p.error(f"--temperatures={args.temperatures!r}: expected comma-separated numbers")
+  if any(not 0.0 <= t < float("inf") for t in args.temperatures):
+    p.error(f"--temperatures={args.temperatures}: each must be a finite number >= 0")
+  args.modes = tuple(m for m in args.modes.split(",") if m)
+  bad = [m for m in args.modes if m not in MODES]
+  if bad or not args.modes:
+    p.error(f"--modes: unknown {bad or 'empty list'}; choose from {MODES}")
+  args.buckets = _int_list(p, "buckets", args.buckets)
+  for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget", "start_budget",
+               "prefill_chunk"):
+    if getattr(args, flag) <= 0:
+      p.error(f"--{flag}={getattr(args, flag)}: must be > 0")
+  if args.start_budget > args.budget:
+    p.error(f"--start_budget={args.start_budget} exceeds --budget={args.budget}")
+  if args.noise < 0:
+    p.error(f"--noise={args.noise}: must be >= 0")
+  return args
+
+
+def gsm8k_prompts(tok, num, offset):
+  """Token ids of `num` GSM8K train prompts rendered with the model's chat template."""
+  examples = load_gsm8k("train")
+  if offset + num > len(examples):
+    raise SystemExit(f"--prompt_offset={offset} + --num_prompts={num} exceeds the "
+                     f"{len(examples)} GSM8K train examples")
+  template = get_prompt_template("gsm8k")
+  render = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+  return [tok.encode(render_prompt(e, render, template)) for e in examples[offset:offset + num]]
+
+
+def perturb(model, noise: float, key):
+  """A copy of `model` with every float parameter moved by noise * RMS(tensor) * N(0, 1)."""
+  graphdef, state = nnx.split(model)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(key, len(leaves))
+
+  @jax.jit
+  def move(x, k):
+    rms = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+    return (x + (noise * rms * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype))
+
+  moved = [move(x, k) if jnp.issubdtype(x.dtype, jnp.floating) else x
+           for x, k in zip(leaves, keys)]
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, moved))
+
+
+def make_requests(prompt_ids, group_size, params, epoch):
+  reqs = []
+  for i, p in enumerate(prompt_ids):
+    for _ in range(group_size):
+      reqs.append(Request(len(reqs), p, params, group_id=f"e{epoch}/p{i}",
+                          prompt_key=prompt_key(p)))
+  return reqs
+
+
+def make_drafter(mode, store, args):
+  return HistoryDrafter(store if mode != "siblings" else None,
+                        use_history=mode in ("history", "both"),
+                        use_siblings=mode in ("siblings", "both"),
+                        start_budget=args.start_budget, max_budget=args.budget,
+                        min_prob=args.min_prob)
+
+
+def run(engine, reqs):
+  results = engine.generate(reqs)
+  errors = [r.error for r in results if r.finish_reason == "error"]
+  if errors:
+    raise SystemExit(f"rollout failed: {errors[0]}")
+  s = engine.stats
+  decode_s = s.draft_time_s + s.device_time_s
+  return results, dict(
+      tokens=s.tokens, steps=s.steps, mal=s.mean_accepted_length, fpt=s.forwards_per_token,
+      hit=s.accepted / s.drafted if s.drafted else float("nan"), drafted=s.drafted,
+      draft_ms=1e3 * s.draft_time_s / max(s.steps, 1), decode_tps=s.tokens / max(decode_s, 1e-9),
+      total_tps=s.tokens_per_s, total_s=s.total_time_s)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+  t_start = time.perf_counter()
+  print(f"[histospec] device: {common.device_description()}", flush=True)
+  base, _ = load_model(args.model, param_dtype=dtype)
+  tok = load_tokenizer(args.model)
+  prompt_ids = gsm8k_prompts(tok, args.num_prompts, args.prompt_offset)
+  max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
+  cfg = EngineConfig(max_len=max_len, buckets=args.buckets, budgets=(0, args.budget),
+                     budget_by_batch=((1 << 30, args.budget),), prefill_chunk=args.prefill_chunk,
+                     eos_ids=tuple(tok.stop_ids), seed=args.seed)
+  print(f"[histospec] {len(prompt_ids)} prompts x G={args.group_size} (prompt lengths "
+        f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))}), max_new_tokens="
+        f"{args.max_new_tokens}, budget {args.budget}, buckets {args.buckets}, {dtype}", flush=True)
+  t0 = time.perf_counter()
+  RolloutEngine(base, cfg, None).warmup(filters=False)  # compiles every shape both engines use
+  print(f"[histospec] warm-up (compilation) {time.perf_counter() - t0:.1f}s", flush=True)
+  compiles_before = dict(TRACE_COUNTS)
+
+  rows = []
+  for temp in args.temperatures:
+    params = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
+    store = HistoryStore(epochs_kept=1)
+    model = base
+    for epoch in range(args.epochs):
+      if epoch > 0 and args.noise > 0:  # the same weight trajectory at every temperature
+        model = perturb(model, args.noise, jax.random.fold_in(jax.random.key(args.seed), epoch))
+      reqs = make_requests(prompt_ids, args.group_size, params, epoch)
+      plain_results, plain = run(RolloutEngine(model, cfg, None), reqs)
+      line = dict(temp=temp, epoch=epoch, mode="plain", same=len(reqs), **plain)
+      rows.append(line)
+      print(f"[histospec] T={temp} epoch {epoch} plain: {plain['tokens']} tokens, "
+            f"{plain['decode_tps']:.1f} decode tok/s, {plain['total_s']:.1f}s", flush=True)
+      for mode in args.modes:
+        if epoch == 0 and mode != "siblings":
+          continue  # no history yet: 'history' drafts nothing, 'both' equals 'siblings'
+        drafter = make_drafter(mode, store, args)
+        results, st = run(RolloutEngine(model, cfg, drafter), reqs)
+        same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
+        rows.append(dict(temp=temp, epoch=epoch, mode=mode, same=same, **st))
+        print(f"[histospec] T={temp} epoch {epoch} {mode}: accepted length {st['mal']:.2f}, "
+              f"hit {st['hit']:.2f}, fwd/token {st['fpt']:.3f}, draft {st['draft_ms']:.1f} "
+              f"ms/step, decode {st['decode_tps']:.1f} tok/s ({st['decode_tps'] / plain['decode_tps']:.2f}x), "
+              f"same tokens {same}/{len(reqs)}, {st['total_s']:.1f}s", flush=True)
+      by_prompt: dict = {}
+      for req, res in zip(reqs, plain_results):  # the next epoch drafts from this one
+        by_prompt.setdefault(req.prompt_key, []).append(res.tokens)
+      for key, responses in by_prompt.items():
+        store.add_group(key, epoch, responses)
+
+  plain_of = {(r["temp"], r["epoch"]): r for r in rows if r["mode"] == "plain"}
+  table_rows = []
+  for r in rows:
+    p = plain_of[(r["temp"], r["epoch"])]
+    spec = r["mode"] != "plain"
+    table_rows.append([
+        r["temp"], r["epoch"], r["mode"], r["tokens"], f"{r['mal']:.2f}",
+        f"{r['hit']:.2f}" if spec else "-", f"{r['fpt']:.3f}",
+        f"{r['draft_ms']:.1f}" if spec else "-", f"{r['same']}/{p['same']}",
+        f"{r['decode_tps']:.1f}", f"{r['decode_tps'] / p['decode_tps']:.2f}x",
+        f"{r['total_tps']:.1f}", f"{r['total_tps'] / p['total_tps']:.2f}x"])
+  headers = ["T", "epoch", "drafts", "tokens", "accepted len/verify", "hit rate", "fwd/token",
+             "draft ms/step", "same tokens", "decode tok/s", "vs plain", "rollout tok/s",
+             "vs plain"]
+  table = common.markdown_table(headers, table_rows)
+  compiles_after = dict(TRACE_COUNTS)
+  print(table)
+  if compiles_after != compiles_before:  # a compile inside a timed rollout would skew tok/s
+    print(f"[histospec] WARNING: compiled during the rollouts: {compiles_before} -> "
+          f"{compiles_after}", flush=True)
+  wall = time.perf_counter() - t_start
+  notes = [
+      f"{args.model}, real GGUF weights dequantized to {dtype}; {len(prompt_ids)} GSM8K train "
+      f"prompts (from #{args.prompt_offset}, chat template + 'gsm8k' prompt template) x "
+      f"G={args.group_size}, max_new_tokens={args.max_new_tokens}, {args.epochs} epochs, no "
+      f"top-p/top-k",
+      f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight tensor "
+      f"(a stand-in for a GRPO step; the trainer is being finished in parallel)",
+      f"speculative engines verify a {args.budget}-token tree per slot every step "
+      f"(HistoryDrafter adaptive budget from {args.start_budget}, min path prob "
+      f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
+      f"history = the previous epoch's plain responses",
+      "decode tok/s = tokens / (host drafting + device step time), prefill excluded; rollout "
+      "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's",
+      f"whole bench {wall / 60:.1f} min including warm-up",
+  ] + args.note
+  if not args.no_append:
+    common.append_results("HistoSpec over epochs (bench/histospec.py)", table, notes)
+    print(f"[histospec] appended to {common.RESULTS_PATH}")
+  print(f"[histospec] done in {wall:.1f}s")
+
+
+if __name__ == "__main__":
+  main()
