@@ -33,12 +33,20 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from rhyme_jax.history.store import HistoryStore
+from rhyme_jax.history.store import HistoryStore, prompt_key as hash_prompt
 from rhyme_jax.history.suffix_index import SuffixIndex
 from rhyme_jax.history.tree_draft import Source, build_tree, match_sources, tree_depth
 from rhyme_jax.rollout.drafts import DraftQuery, DraftTree
 
 START = -1  # sentinel opening every indexed response (never drafted)
+
+
+def store_key(key: Hashable) -> Hashable:
+  """The history-store key of a prompt key: token sequences (the engine's default key is the
+  prompt's token tuple) become their stable hash; str / int keys pass through."""
+  if isinstance(key, (tuple, list, np.ndarray)):
+    return hash_prompt(key)
+  return key
 
 
 @dataclasses.dataclass
@@ -106,7 +114,8 @@ class HistoryDrafter:
     """Adds a finished group to the history store (drafts of later visits use it)."""
     if self.store is None:
       raise ValueError("HistoryDrafter.record_group: this drafter has no HistoryStore")
-    self.store.add_group(prompt_key, self.epoch if epoch is None else epoch, responses, rewards)
+    self.store.add_group(store_key(prompt_key), self.epoch if epoch is None else epoch,
+                         responses, rewards)
 
   # --- indexes ------------------------------------------------------------------------------
 
@@ -184,7 +193,7 @@ class HistoryDrafter:
       # indexed response, so it drafts how past responses (or siblings) began.
       min_len = 1 if len(response) == 0 else self.min_match
       if budget > 0 and self.use_history:
-        index = self._history_index(q.prompt_key)
+        index = self._history_index(store_key(q.prompt_key))
         if index is not None:
           sources += match_sources(index, ctx, min_len=min_len, max_len=self.max_match,
                                    weight=self.history_weight, decay=self.fallback_decay)

@@ -102,6 +102,22 @@ def test_first_step_drafts_the_openings_of_past_responses(model):
   assert all(r.steps == 1 for r in second)  # budget + 1 tokens in one verify
 
 
+def test_requests_without_a_prompt_key_use_the_prompt_tokens(model):
+  """The engine's default key is the prompt's token tuple; the drafter files and finds history
+  under its hash, so the trainer can record groups by prompt tokens."""
+  params = SamplingParams(temperature=0.0, max_new_tokens=32)
+  reqs = [Request(i, p, params, group_id=i) for i, p in enumerate(prompts(3, seed=6))]
+  first = engine(model, NoDrafts(), eos=()).generate(reqs)
+  drafter = HistoryDrafter(HistoryStore(), use_siblings=False, start_budget=BUDGET,
+                           max_budget=BUDGET)
+  for req, res in zip(reqs, first):
+    drafter.record_group(tuple(req.prompt), [res.tokens])
+  assert prompt_key(reqs[0].prompt) in drafter.store
+  eng = engine(model, drafter, eos=())
+  assert_same_tokens(first, eng.generate(reqs), "default keys")
+  assert eng.stats.mean_accepted_length >= 0.8 * (BUDGET + 1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("unrelated", ["random_tokens", "other_prompts"])
 def test_unrelated_history_never_changes_output(model, temperature, unrelated):
