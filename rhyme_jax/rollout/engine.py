@@ -154,7 +154,7 @@ _verify_jit = jax.jit(_counted("step", step.verify_step), static_argnums=(0,),
                       static_argnames=("filters",), donate_argnums=(2,))
 _prefill_jit = jax.jit(_counted("prefill", step.prefill_chunk), static_argnums=(0,),
                        donate_argnums=(2,))
-_load_jit = jax.jit(_counted("load", step.load_slot), donate_argnums=(0,))
+_load_jit = jax.jit(_counted("load", step.load_slots), donate_argnums=(0,))
 _regroup_jit = jax.jit(_counted("regroup", step.regroup))
 
 
@@ -187,7 +187,7 @@ class RolloutEngine:
       for budget in self.config.budgets:
         trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
         state, _ = _verify_jit(self.graphdef, self.params, state, trees, seed, filters=filters)
-      state = self._admit(state, 0, Request(-1, [0, 0], SamplingParams()))
+      state = self._admit(state, [(0, Request(-1, [0, 0], SamplingParams()))])
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 
@@ -240,24 +240,34 @@ class RolloutEngine:
               f"{req.params.max_new_tokens} exceeds the engine's max_len={self.config.max_len}")
     return None
 
-  def _admit(self, state: step.DecodeState, slot: int, req: Request) -> step.DecodeState:
-    """Prefills all but the last prompt token into the slot; the last becomes the root."""
-    prompt = np.asarray(req.prompt, np.int32)
+  def _admit(self, state: step.DecodeState, admits: list[tuple[int, Request]]
+             ) -> step.DecodeState:
+    """Prefills all but the last prompt token of each (slot, request); the last becomes the
+    slot's root. Slot parameters are set for all admitted requests in one call."""
+    if not admits:
+      return state
     c = self.config.prefill_chunk
     cache = state.cache
-    body = prompt[:-1]
-    for start in range(0, len(body), c):
-      chunk = np.zeros(c, np.int32)
-      piece = body[start:start + c]
-      chunk[:len(piece)] = piece
-      cache = _prefill_jit(self.graphdef, self.params, cache, jnp.int32(slot),
-                           jnp.asarray(chunk), jnp.int32(start))
-      self.stats.prefill_chunks += 1
-    state = state.replace(cache=cache)
-    p = req.params
-    return _load_jit(state, jnp.int32(slot), jnp.int32(len(body)), jnp.int32(prompt[-1]),
-                         jnp.int32(req.request_id), jnp.float32(p.temperature),
-                         jnp.float32(p.top_p), jnp.int32(p.top_k))
+    b = state.batch
+    new = np.zeros(b, bool)
+    length, root, request, top_k = (np.zeros(b, np.int32) for _ in range(4))
+    temperature, top_p = np.ones(b, np.float32), np.ones(b, np.float32)
+    for slot, req in admits:
+      prompt = np.asarray(req.prompt, np.int32)
+      body = prompt[:-1]
+      for start in range(0, len(body), c):
+        chunk = np.zeros(c, np.int32)
+        piece = body[start:start + c]
+        chunk[:len(piece)] = piece
+        cache = _prefill_jit(self.graphdef, self.params, cache, jnp.int32(slot),
+                             jnp.asarray(chunk), jnp.int32(start))
+        self.stats.prefill_chunks += 1
+      p = req.params
+      new[slot] = True
+      length[slot], root[slot], request[slot] = len(body), prompt[-1], req.request_id
+      temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
+    return _load_jit(state.replace(cache=cache), new, length, root, request, temperature, top_p,
+                     top_k)
 
   def _finish_reason(self, live: _Live) -> str | None:
     p = live.req.params
@@ -301,11 +311,12 @@ class RolloutEngine:
     seed = jnp.uint32(self.config.seed)
 
     while queue or any(slots):
+      admits = []
       for i in range(bucket):
         if slots[i] is None and queue:
-          req = queue.popleft()
-          state = self._admit(state, i, req)
-          slots[i] = _Live(req, [], [])
+          admits.append((i, queue.popleft()))
+          slots[i] = _Live(admits[-1][1], [], [])
+      state = self._admit(state, admits)
       live_idx = [i for i in range(bucket) if slots[i] is not None]
       while not queue and self.bucket_for(len(live_idx)) < bucket:
         rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]

@@ -100,17 +100,16 @@ def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slo
   return kv_cache.write_slot(cache, slot, out.cache)
 
 
-def load_slot(state: DecodeState, slot: jax.Array, length: jax.Array, root: jax.Array,
-              request: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array
-              ) -> DecodeState:
-  """Points a slot at a freshly prefilled request."""
+def load_slots(state: DecodeState, new_B: jax.Array, length_B: jax.Array, root_B: jax.Array,
+               request_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
+               top_k_B: jax.Array) -> DecodeState:
+  """Points the slots where `new_B` is set at freshly prefilled requests (others unchanged)."""
+  pick = lambda fresh, old: jnp.where(new_B, fresh, old)
   return state.replace(
-      length_B=state.length_B.at[slot].set(length),
-      root_B=state.root_B.at[slot].set(root),
-      request_B=state.request_B.at[slot].set(request),
-      temperature_B=state.temperature_B.at[slot].set(temperature),
-      top_p_B=state.top_p_B.at[slot].set(top_p),
-      top_k_B=state.top_k_B.at[slot].set(top_k))
+      length_B=pick(length_B, state.length_B), root_B=pick(root_B, state.root_B),
+      request_B=pick(request_B, state.request_B),
+      temperature_B=pick(temperature_B, state.temperature_B),
+      top_p_B=pick(top_p_B, state.top_p_B), top_k_B=pick(top_k_B, state.top_k_B))
 
 
 def regroup(state: DecodeState, slots_B: jax.Array) -> DecodeState:
