@@ -21,7 +21,7 @@ bits, so a near-tie can flip a token), decode tokens/s (tokens / (drafting + dev
 prefill excluded) and the whole rollout's tokens/s, each with its ratio to plain. Step
 functions are compiled by `engine.warmup()` before anything is timed.
 
-  python bench/histospec.py                                   # CPU defaults (~10 min, 2 cores)
+  python bench/histospec.py                                   # CPU defaults (~12 min, 2 cores)
   python bench/histospec.py --num_prompts 64 --group_size 8 --max_new_tokens 256 \\
       --buckets 128,64,32,16,8,4,2,1 --budget 16 --dtype bfloat16            # a GPU
 """
@@ -29,6 +29,7 @@ functions are compiled by `engine.warmup()` before anything is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -70,7 +71,7 @@ def parse_args(argv=None):
   p.add_argument("--num_prompts", type=int, default=2, help="GSM8K train prompts")
   p.add_argument("--prompt_offset", type=int, default=0, help="index of the first prompt")
   p.add_argument("--group_size", type=int, default=4, help="samples per prompt (G)")
-  p.add_argument("--max_new_tokens", type=int, default=96)
+  p.add_argument("--max_new_tokens", type=int, default=64)
   p.add_argument("--epochs", type=int, default=3)
   p.add_argument("--temperatures", default="1.0,0.6", help="comma-separated temperatures")
   p.add_argument("--noise", type=float, default=1e-3,
@@ -85,6 +86,10 @@ def parse_args(argv=None):
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="params and activations; default float32 on cpu, else bfloat16")
   p.add_argument("--seed", type=int, default=0, help="sampling seed and weight-noise seed")
+  p.add_argument("--reuse_seed", action="store_true",
+                 help="sample every epoch with the same random draws (common random numbers: "
+                      "each epoch is still an exact sample of its policy, but epochs are "
+                      "correlated); default: a fresh seed per epoch")
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
   args = p.parse_args(argv)
@@ -197,7 +202,12 @@ def main(argv=None):
       if epoch > 0 and args.noise > 0:  # the same weight trajectory at every temperature
         model = perturb(model, args.noise, jax.random.fold_in(jax.random.key(args.seed), epoch))
       reqs = make_requests(prompt_ids, args.group_size, params, epoch)
-      plain_results, plain = run(RolloutEngine(model, cfg, None), reqs)
+      # Fresh randomness every epoch, as in training (draws are keyed by seed, request id and
+      # position: with the epoch-0 seed the slightly moved policy would mostly redraw its old
+      # samples and history would look far better than it is). Same seed for every engine of
+      # the epoch, so their tokens can be compared.
+      ecfg = dataclasses.replace(cfg, seed=args.seed * 1000 + (0 if args.reuse_seed else epoch))
+      plain_results, plain = run(RolloutEngine(model, ecfg, None), reqs)
       line = dict(temp=temp, epoch=epoch, mode="plain", same=len(reqs), **plain)
       rows.append(line)
       print(f"[histospec] T={temp} epoch {epoch} plain: {plain['tokens']} tokens, "
@@ -206,7 +216,7 @@ def main(argv=None):
         if epoch == 0 and mode != "siblings":
           continue  # no history yet: 'history' drafts nothing, 'both' equals 'siblings'
         drafter = make_drafter(mode, store, args)
-        results, st = run(RolloutEngine(model, cfg, drafter), reqs)
+        results, st = run(RolloutEngine(model, ecfg, drafter), reqs)
         same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
         rows.append(dict(temp=temp, epoch=epoch, mode=mode, same=same, **st))
         print(f"[histospec] T={temp} epoch {epoch} {mode}: accepted length {st['mal']:.2f}, "
@@ -252,7 +262,10 @@ def main(argv=None):
       f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
       f"history = the previous epoch's plain responses",
       "decode tok/s = tokens / (host drafting + device step time), prefill excluded; rollout "
-      "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's",
+      "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's; "
+      "fwd/token = batched forward passes / tokens (compare with plain in the same epoch)",
+      "sampling seed: " + ("the same every epoch (--reuse_seed: common random numbers)"
+                           if args.reuse_seed else "fresh every epoch, as in training"),
       f"whole bench {wall / 60:.1f} min including warm-up",
   ] + args.note
   if not args.no_append:

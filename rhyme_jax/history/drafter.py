@@ -16,10 +16,12 @@ new_tokens, drafted, accepted)` after it (`new_tokens` = tokens the request emit
 when no further request of the group will run. The trainer calls `record_group` for each
 finished group (the next epoch drafts from it) and `begin_epoch` at epoch boundaries.
 
-Overlapping host drafting with device compute: JAX dispatch is asynchronous, so the engine gets
-the overlap by calling `propose` for the *next* batch after dispatching a step and before
-reading its outputs. `PrefetchingDrafter` does the same from a background thread for engines
-that block: `submit(queries)` right after dispatch, `result()` when the drafts are needed.
+Overlapping host drafting with device compute: a request's next draft depends on what the
+current step emits, so it cannot be computed while that step runs. What can overlap (JAX
+dispatch is asynchronous) is drafting for *other* requests: e.g. the engine splits the slots
+into two halves and drafts one half while the device verifies the other.
+`PrefetchingDrafter` runs `propose` in a background thread for that: `submit(queries)` right
+after a dispatch, `result()` when the drafts are needed.
 """
 
 from __future__ import annotations
@@ -254,8 +256,9 @@ class HistoryDrafter:
 class PrefetchingDrafter:
   """Runs a drafter's `propose` in a background thread so host drafting overlaps device work.
 
-  Usage in an engine loop: dispatch the device step (asynchronous), `submit(next_queries)`,
-  block on the step's outputs, then `result()` for the drafts. `observe` / `finish` go through
+  Usage in an engine loop: dispatch a device step (asynchronous), `submit(queries)` for
+  requests whose context that step does not change (e.g. the other half of the slots), block on
+  the step's outputs, then `result()` for the drafts. `observe` / `finish` go through
   this wrapper too; a lock keeps them from interleaving with a running `propose`, and
   `propose` (synchronous) is `submit` + `result`. Record groups into the store (trainer side)
   only while no `submit` is outstanding.
