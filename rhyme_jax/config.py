@@ -56,6 +56,7 @@ class RolloutOptions:
   max_new_tokens: int
   spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
   draft_budget: int  # largest draft tree verified per step (tokens)
+  spec_max_live: int  # speculate only while at most this many requests are live
   prefill_chunk: int
 
 
@@ -147,6 +148,9 @@ _FLAGS = {
         ("max_new_tokens", 96, "Response length cap in tokens."),
         ("spec", "histospec", f"Speculative rollout: {', '.join(SPECS)}."),
         ("draft_budget", 16, "Largest draft tree verified per decoding step (tokens)."),
+        ("spec_max_live", 32, "Speculate only while at most this many requests are live "
+         "(verifying trees costs compute; large batches are compute bound, so speculation pays "
+         "in the tail of a rollout, and on CPUs only at small batch)."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
     ],
     RLOptions: [
@@ -280,6 +284,7 @@ def validate(c: Config) -> None:
   _at_least("max_new_tokens", r.max_new_tokens, 1)
   _one_of("spec", r.spec, SPECS)
   _at_least("draft_budget", r.draft_budget, 1)
+  _at_least("spec_max_live", r.spec_max_live, 1)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
 
   _at_least("group_size", rl.group_size, 2)
