@@ -103,11 +103,11 @@ class DraftSource(Protocol):
     ...
 
 
-class NoDrafts:
-  """Plain decoding through the speculative step: every draft is empty."""
+class StatelessDrafter:
+  """Base for drafters that learn nothing from what the engine emits."""
 
-  def propose(self, queries):
-    return [DraftTree.empty(q.budget) for q in queries]
+  def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+    raise NotImplementedError
 
   def observe(self, request_id, group_id, new_tokens, drafted, accepted):
     pass
@@ -116,7 +116,14 @@ class NoDrafts:
     pass
 
 
-class OracleDrafter:
+class NoDrafts(StatelessDrafter):
+  """Plain decoding through the speculative step: every draft is empty."""
+
+  def propose(self, queries):
+    return [DraftTree.empty(q.budget) for q in queries]
+
+
+class OracleDrafter(StatelessDrafter):
   """Drafts from known continuations (tests, benchmarks), with a controlled acceptance rate.
 
   `targets[request_id]` is the response the target will produce (e.g. from a plain rollout).
@@ -161,14 +168,8 @@ class OracleDrafter:
       out.append(DraftTree.from_nodes(nodes, q.budget))
     return out
 
-  def observe(self, request_id, group_id, new_tokens, drafted, accepted):
-    pass
 
-  def finish(self, request_id, group_id):
-    pass
-
-
-class RandomDrafter:
+class RandomDrafter(StatelessDrafter):
   """Garbage drafts: random tokens in random tree shapes (tests that drafts never change output).
 
   `extra_tokens` are mixed in with probability 1/4 per node (e.g. EOS, to test drafts that
@@ -192,9 +193,3 @@ class RandomDrafter:
         nodes.append((tok, int(self.rng.integers(-1, i))))
       out.append(DraftTree.from_nodes(nodes, q.budget))
     return out
-
-  def observe(self, request_id, group_id, new_tokens, drafted, accepted):
-    pass
-
-  def finish(self, request_id, group_id):
-    pass
