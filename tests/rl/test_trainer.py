@@ -7,6 +7,9 @@
   be set before JAX starts);
 * SIGKILL mid-run, restart with the same command: the data seen and the metrics logged equal an
   uninterrupted run's (subprocesses).
+
+The last two take minutes on 2 cores (several fresh JAX processes) and are marked slow:
+`python -m pytest -q -m slow tests/rl/test_trainer.py`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
   assert cfg["rollout"]["spec"] == "histospec"
 
 
+@pytest.mark.slow
 def test_eight_device_mesh(tiny_model, tmp_path):
   """2x2x2 mesh, dynamic sampling, 2 PPO epochs, 2 micro-batches, KL to the reference."""
   args = tiny_flags(tiny_model, tmp_path / "run", "--num_steps=2", "--mesh_data=2",
