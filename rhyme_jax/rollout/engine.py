@@ -218,6 +218,15 @@ class RolloutEngine:
     fits = [t for t in self.config.budgets if t <= want]
     return max(fits) if fits else min(self.config.budgets)
 
+  def _fit_budget(self, budget: int, trees: list[DraftTree]) -> tuple[int, list[DraftTree]]:
+    """The smallest compiled budget holding every proposed tree (0 when all are empty): a
+    step verifies only as many tree slots as its drafts use, so small drafts cost little."""
+    need = max(t.size for t in trees)
+    fit = min((t for t in self.config.budgets if t >= need), default=budget)
+    if fit >= budget:
+      return budget, trees
+    return fit, [t.padded(fit) for t in trees]
+
   # ---- request handling ------------------------------------------------------------------------
 
   def _validate(self, req: Request, seen: set) -> str | None:
@@ -304,6 +313,7 @@ class RolloutEngine:
       else:
         queue.append(req)
     order = [id(r) for r in requests]
+    group_left = collections.Counter(r.group_id for r in queue)  # live + queued per group
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
     state = self._new_state(bucket)
@@ -339,6 +349,7 @@ class RolloutEngine:
                                     np.asarray(lv.tokens, np.int32), max(min(budget, room), 0)))
         for i, tree in zip(live_idx, self.drafter.propose(queries)):
           trees[i] = tree
+        budget, trees = self._fit_budget(budget, trees)
       tree_batch = accept.pack_trees(trees, budget)
       stats.draft_time_s += time.perf_counter() - td
 
@@ -383,6 +394,9 @@ class RolloutEngine:
               finish_time=time.perf_counter() - t0)
           if self.drafter is not None:
             self.drafter.finish(lv.req.request_id, lv.req.group_id)
+            group_left[lv.req.group_id] -= 1
+            if group_left[lv.req.group_id] == 0 and hasattr(self.drafter, "end_group"):
+              self.drafter.end_group(lv.req.group_id)
           slots[i] = None
     stats.total_time_s = time.perf_counter() - t0
     return [results[k] for k in order]

@@ -139,3 +139,29 @@ def test_stop_sequences_and_max_tokens(tiny_model):
                  if tuple(free.tokens[i - 2:i]) == stop)
     np.testing.assert_array_equal(res.tokens, free.tokens[:first])
     assert res.finish_reason == "stop"
+
+
+def test_step_shape_fits_the_drafts(tiny_model):
+  """A step verifies the smallest compiled budget that holds its drafts: empty drafts run the
+  plain one-token step; and the end of each group is reported to the drafter."""
+
+  class Recorder(OracleDrafter):
+    ended = []
+
+    def end_group(self, group_id):
+      self.ended.append(group_id)
+
+  params = SamplingParams(temperature=0.0, max_new_tokens=12)
+  plain = engine(tiny_model, None, budget=0).generate(requests(params))
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), budgets=(0, 2, 8),
+                     budget_by_batch=((1 << 30, 8),), eos_ids=(EOS,), seed=5)
+  eng = RolloutEngine(tiny_model, cfg, NoDrafts())
+  eng.generate(requests(params))
+  assert {t for _, t in eng.stats.steps_by_shape} == {0}
+  drafter = Recorder({r.request_id: r.tokens for r in plain}, 64, max_len=2)
+  eng = RolloutEngine(tiny_model, cfg, drafter)
+  res = eng.generate(requests(params))
+  assert {t for _, t in eng.stats.steps_by_shape} <= {0, 2} and eng.stats.accepted > 0
+  for a, b in zip(plain, res):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert sorted(drafter.ended) == [0, 1]
