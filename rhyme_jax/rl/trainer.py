@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import zlib
 import sys
 import time
 from pathlib import Path
@@ -494,6 +495,10 @@ class Trainer:
       m["accuracy"] = float(np.mean(correct))
     m["response_length/mean"] = float(lengths.mean())
     m["response_length/max"] = int(lengths.max())
+    # Fingerprint of every sampled token: equal across runs iff they sampled the same tokens
+    # (e.g. --spec=histospec vs --spec=none with the same seed).
+    sampled = b"".join(np.asarray(x.tokens, np.int32).tobytes() for x in all_samples)
+    m["rollout/tokens_crc32"] = f"{zlib.crc32(sampled):08x}"
     m["response_length/truncated_frac"] = float(np.mean(
         [s.finish_reason == "length" for s in all_samples]))
     m["rollout/rounds"] = len(stats["rows"]) // c.rl.prompts_per_step
