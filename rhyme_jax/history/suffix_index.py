@@ -67,6 +67,7 @@ class SuffixIndex:
     self._seqs: dict[int, _Seq] = {}
     self._next_seq_id = 0
     self.num_tokens = 0
+    self.work = 0  # suffix-link steps taken while building: the build cost, counted exactly
 
   # --- building ---------------------------------------------------------------------------
 
@@ -111,12 +112,14 @@ class SuffixIndex:
       while p != -1 and nxt[p].get(c) == q:
         nxt[p][c] = clone
         p = link[p]
+        self.work += 1
       return clone
     cur = self._new_state(ln[last] + 1, {}, _ROOT, 0)
     p = last
     while p != -1 and c not in nxt[p]:
       nxt[p][c] = cur
       p = link[p]
+      self.work += 1
     if p != -1:
       q = nxt[p][c]
       if ln[p] + 1 == ln[q]:
@@ -126,6 +129,7 @@ class SuffixIndex:
         while p != -1 and nxt[p].get(c) == q:
           nxt[p][c] = clone
           p = link[p]
+          self.work += 1
         link[cur] = clone
     return cur
 
@@ -139,6 +143,7 @@ class SuffixIndex:
     p, l = seq.ptr_state, seq.ptr_len
     while p != _ROOT and ln[link[p]] >= l:
       p = link[p]
+      self.work += 1
     q, l = nxt[p][c], l + 1
     if l > self.max_depth:  # keep the suffix of length max_depth: q or its link (len == depth)
       l = self.max_depth
@@ -149,6 +154,7 @@ class SuffixIndex:
     while q != _ROOT:  # this position ends every suffix of length <= l: one more occurrence each
       cnt[q] += 1
       q = link[q]
+      self.work += 1
 
   # --- queries ----------------------------------------------------------------------------
 
