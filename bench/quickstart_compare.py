@@ -38,9 +38,11 @@ def fmt(x, nd=3):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("spec_run")
-  p.add_argument("plain_run")
+  p.add_argument("plain_run", nargs="?", help="omit to report the curves of one run")
   p.add_argument("--no_record", action="store_true")
   args = p.parse_args(argv)
+  if args.plain_run is None:
+    return report_one(args)
   spec, plain = load(args.spec_run), load(args.plain_run)
   steps = sorted(set(spec) & set(plain))
   rows, first_diff = [], None
@@ -101,6 +103,30 @@ def main(argv=None):
   if not args.no_record:
     common.append_results("Quickstart GRPO: --spec=histospec vs --spec=none "
                           "(bench/quickstart_compare.py)", text, notes=notes)
+
+
+def report_one(args):
+  """Reward, accuracy, evaluation, length, acceptance and step-time split of a single run."""
+  run = load(args.spec_run)
+  steps = sorted(run)
+  rows = [[s, run[s].get("data/epoch", "-"), fmt(run[s].get("reward/mean")),
+           fmt(run[s].get("accuracy")), fmt(run[s].get("eval/accuracy")),
+           fmt(run[s].get("response_length/mean"), 1),
+           fmt(run[s].get("rollout/mean_accepted_length"), 3), fmt(run[s].get("time/rollout"), 1),
+           fmt(run[s].get("time/train"), 1), fmt(run[s].get("time/step"), 1)] for s in steps]
+  table = common.markdown_table(["step", "epoch", "reward", "accuracy", "eval accuracy",
+                                 "length", "accepted len", "rollout s", "train s", "step s"], rows)
+  mean = lambda k, ss: sum(run[s][k] for s in ss) / len(ss)
+  notes = [f"run: `{args.spec_run}`, {len(steps)} steps",
+           f"reward mean, steps 1-10 / 11-20 / 21-30: " + " / ".join(
+               f"{mean('reward/mean', steps[i:i + 10]):.3f}" for i in range(0, len(steps), 10)),
+           f"sampled accuracy mean, same windows: " + " / ".join(
+               f"{mean('accuracy', steps[i:i + 10]):.3f}" for i in range(0, len(steps), 10))]
+  print("\n".join(notes))
+  print(table)
+  if not args.no_record:
+    common.append_results("Quickstart GRPO curves (bench/quickstart_compare.py)", table,
+                          notes=notes)
 
 
 if __name__ == "__main__":
