@@ -9,9 +9,11 @@ All functions are pure `jnp` and jit-friendly; options are keyword-only Python v
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
+
+from rhyme_jax.rl.registry import Registry
 import jax.numpy as jnp
 
 
@@ -22,30 +24,10 @@ class AdvantageFn(Protocol):
     ...
 
 
-_ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-  """Decorator: make an advantage function available as `get_advantage(name)`."""
-
-  def wrap(fn: AdvantageFn) -> AdvantageFn:
-    if name in _ADVANTAGES:
-      raise ValueError(f"advantage estimator {name!r} is already registered")
-    _ADVANTAGES[name] = fn
-    return fn
-
-  return wrap
-
-
-def get_advantage(name: str) -> AdvantageFn:
-  """Look up a registered advantage estimator; unknown names list the known ones."""
-  if name not in _ADVANTAGES:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(_ADVANTAGES)}")
-  return _ADVANTAGES[name]
-
-
-def available_advantages() -> list[str]:
-  return sorted(_ADVANTAGES)
+_REGISTRY: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage = _REGISTRY.register  # decorator: make a function available by name
+get_advantage = _REGISTRY.get
+available_advantages = _REGISTRY.names
 
 
 def _check_groups(rewards_NxG: jax.Array, name: str) -> None:

@@ -19,9 +19,11 @@ valid tokens and carry no gradient.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
+
+from rhyme_jax.rl.registry import Registry
 import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -87,30 +89,10 @@ class LossFn(Protocol):
     ...
 
 
-_LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-  """Decorator: make a loss function available as `get_loss(name)`."""
-
-  def wrap(fn: LossFn) -> LossFn:
-    if name in _LOSSES:
-      raise ValueError(f"loss {name!r} is already registered")
-    _LOSSES[name] = fn
-    return fn
-
-  return wrap
-
-
-def get_loss(name: str) -> LossFn:
-  """Look up a registered loss; unknown names list the known ones."""
-  if name not in _LOSSES:
-    raise ValueError(f"unknown loss {name!r}; known: {sorted(_LOSSES)}")
-  return _LOSSES[name]
-
-
-def available_losses() -> list[str]:
-  return sorted(_LOSSES)
+_REGISTRY: Registry[LossFn] = Registry("loss")
+register_loss = _REGISTRY.register  # decorator: make a function available by name
+get_loss = _REGISTRY.get
+available_losses = _REGISTRY.names
 
 
 # ----------------------------------------------------------------------------------------------
