@@ -2,20 +2,25 @@
 
 SmolLM2-135M-Instruct (real GGUF weights) answers the same GSM8K train prompts (chat template,
 `gsm8k` prompt template) for `--epochs` epochs, G = `--group_size` samples each. Between epochs
-the policy changes slightly: every weight tensor gets Gaussian noise of `--noise` times its RMS,
-a stand-in for an RL step (the GRPO trainer is not wired in here yet). Per temperature and
-epoch, the same requests run through:
+the policy changes as in RL training (`--policy_change=grpo`, the default): `--grpo_steps`
+GRPO updates of the real trainer (`rl.trainer.Trainer.train_on`, gsm8k reward) on the epoch's
+own samples; or (`--policy_change=noise`) every weight tensor gets Gaussian noise of `--noise`
+times its RMS. Per temperature and epoch, the same requests run through:
 
 - plain: a budget-0 engine (one-token decode steps, no drafter): the speed baseline;
 - history / siblings / both: an engine verifying a `--budget`-token draft tree per slot every
-  step, drafts from `HistoryDrafter` with the past-epoch index, the live-sibling index, or both.
+  step, drafts from `HistoryDrafter` with the past-epoch index, the live-sibling index, or both;
+- the same with `+ahead` (`--overlap`): drafting overlapped with the device
+  (`EngineConfig.overlap_drafting`): trees drafted in a background thread while the device
+  verifies the previous step, synchronous drafting only where the emitted tokens left them.
 
 After each epoch the plain run's responses are recorded as the prompt's history (the next epoch
 drafts from them). Epoch 0 has no history, so only plain and siblings run there.
 
 Reported per (temperature, epoch, drafter): mean accepted length per verify (tokens per
 slot-verify, bonus included), draft hit rate (accepted / drafted tokens), target forward
-passes per token (decode steps / tokens), host drafting time per step, requests whose tokens
+passes per token (decode steps / tokens), host drafting time per step on the critical path
+(and, with `+ahead`, in the background; ahead hit rate = drafts taken from there), requests whose tokens
 equal the plain run's (speculative verify and one-token decode round differently in the last
 bits, so a near-tie can flip a token), decode tokens/s (tokens / (drafting + device step time),
 prefill excluded) and the whole rollout's tokens/s, each with its ratio to plain. Step
@@ -32,6 +37,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -47,6 +53,8 @@ from rhyme_jax.history.drafter import HistoryDrafter  # noqa: E402
 from rhyme_jax.history.store import HistoryStore, prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
+from rhyme_jax.config import parse_flags  # noqa: E402
+from rhyme_jax.rl.trainer import Prompt, Sample, Trainer  # noqa: E402
 from rhyme_jax.rollout.engine import (  # noqa: E402
     TRACE_COUNTS, EngineConfig, Request, RolloutEngine)
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
@@ -74,9 +82,16 @@ def parse_args(argv=None):
   p.add_argument("--max_new_tokens", type=int, default=64)
   p.add_argument("--epochs", type=int, default=3)
   p.add_argument("--temperatures", default="1.0,0.6", help="comma-separated temperatures")
+  p.add_argument("--policy_change", default="grpo", choices=("grpo", "noise"),
+                 help="between epochs: GRPO updates on the epoch's samples, or weight noise")
+  p.add_argument("--grpo_steps", type=int, default=1, help="GRPO updates between epochs")
+  p.add_argument("--learning_rate", type=float, default=3e-5, help="GRPO learning rate")
   p.add_argument("--noise", type=float, default=1e-3,
-                 help="weight change between epochs: Gaussian noise, this times each tensor's RMS")
+                 help="--policy_change=noise: Gaussian noise, this times each tensor's RMS")
   p.add_argument("--modes", default=",".join(MODES), help=f"drafters to run, from {MODES}")
+  p.add_argument("--overlap", default="both", choices=("off", "on", "both"),
+                 help="draft on the host while the device verifies: off, on, or both (each "
+                      "drafter twice, the overlapped run labelled '+ahead')")
   p.add_argument("--budget", type=int, default=8,
                  help="verify budget: draft tokens per slot per step (static shape)")
   p.add_argument("--start_budget", type=int, default=2, help="drafter's adaptive start budget")
@@ -105,7 +120,7 @@ def parse_args(argv=None):
     p.error(f"--modes: unknown {bad or 'empty list'}; choose from {MODES}")
   args.buckets = _int_list(p, "buckets", args.buckets)
   for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget", "start_budget",
-               "prefill_chunk"):
+               "prefill_chunk", "grpo_steps"):
     if getattr(args, flag) <= 0:
       p.error(f"--{flag}={getattr(args, flag)}: must be > 0")
   if args.start_budget > args.budget:
@@ -116,14 +131,41 @@ def parse_args(argv=None):
 
 
 def gsm8k_prompts(tok, num, offset):
-  """Token ids of `num` GSM8K train prompts rendered with the model's chat template."""
+  """`num` GSM8K train examples and their prompts' token ids (model's chat template)."""
   examples = load_gsm8k("train")
   if offset + num > len(examples):
     raise SystemExit(f"--prompt_offset={offset} + --num_prompts={num} exceeds the "
                      f"{len(examples)} GSM8K train examples")
   template = get_prompt_template("gsm8k")
   render = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-  return [tok.encode(render_prompt(e, render, template)) for e in examples[offset:offset + num]]
+  chosen = examples[offset:offset + num]
+  return chosen, [tok.encode(render_prompt(e, render, template)) for e in chosen]
+
+
+def make_trainer(args, dtype, temperature, run_dir):
+  """The real GRPO trainer (gsm8k reward, no speculation of its own) for policy updates."""
+  return Trainer(parse_flags([
+      f"--model={args.model}", "--task=gsm8k", f"--param_dtype={dtype}",
+      f"--group_size={args.group_size}", f"--prompts_per_step={args.num_prompts}",
+      f"--learning_rate={args.learning_rate}", f"--temperature={temperature}",
+      f"--max_new_tokens={args.max_new_tokens}", "--max_prompt_len=512", "--spec=none",
+      "--eval_every=0", f"--seed={args.seed}", f"--run_dir={run_dir}"]))
+
+
+def grpo_update(trainer, examples, prompt_ids, reqs, results, epoch, steps):
+  """`steps` GRPO updates on one epoch's samples; returns the updated model and metrics."""
+  g = len(reqs) // len(prompt_ids)
+  groups = []
+  for i, (ex, ids) in enumerate(zip(examples, prompt_ids)):
+    prompt = Prompt(ex, "", np.asarray(ids, np.int32), prompt_key(ids), epoch)
+    group = [Sample(prompt, r.tokens, r.logprobs, r.finish_reason)
+             for r in results[i * g:(i + 1) * g]]
+    for sample in group:
+      trainer.score(sample)
+    groups.append(group)
+  mets = [trainer.train_on(groups) for _ in range(steps)]
+  reward = float(np.mean([s.reward for grp in groups for s in grp]))
+  return nnx.merge(trainer.graphdef, trainer.params), dict(reward=reward, kl=mets[-1]["kl"])
 
 
 def perturb(model, noise: float, key):
@@ -165,12 +207,17 @@ def run(engine, reqs):
   if errors:
     raise SystemExit(f"rollout failed: {errors[0]}")
   s = engine.stats
-  decode_s = s.draft_time_s + s.device_time_s
+  decode_s = s.draft_time_s + s.device_time_s + s.lookahead_wait_s
+  offered = s.ahead_hits + s.ahead_misses
   return results, dict(
       tokens=s.tokens, steps=s.steps, mal=s.mean_accepted_length, fpt=s.forwards_per_token,
       hit=s.accepted / s.drafted if s.drafted else float("nan"), drafted=s.drafted,
-      draft_ms=1e3 * s.draft_time_s / max(s.steps, 1), decode_tps=s.tokens / max(decode_s, 1e-9),
-      total_tps=s.tokens_per_s, total_s=s.total_time_s)
+      draft_ms=1e3 * s.draft_time_s / max(s.steps, 1),
+      ahead_ms=1e3 * s.lookahead_time_s / max(s.steps, 1),
+      ahead_hit=s.ahead_hits / offered if offered else float("nan"),
+      device_ms=1e3 * s.device_time_s / max(s.steps, 1),
+      decode_tps=s.tokens / max(decode_s, 1e-9), total_tps=s.tokens_per_s,
+      total_s=s.total_time_s)
 
 
 def main(argv=None):
@@ -180,7 +227,7 @@ def main(argv=None):
   print(f"[histospec] device: {common.device_description()}", flush=True)
   base, _ = load_model(args.model, param_dtype=dtype)
   tok = load_tokenizer(args.model)
-  prompt_ids = gsm8k_prompts(tok, args.num_prompts, args.prompt_offset)
+  examples, prompt_ids = gsm8k_prompts(tok, args.num_prompts, args.prompt_offset)
   max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
   cfg = EngineConfig(max_len=max_len, buckets=args.buckets, budgets=(0, args.budget),
                      budget_by_batch=((1 << 30, args.budget),), prefill_chunk=args.prefill_chunk,
@@ -188,18 +235,23 @@ def main(argv=None):
   print(f"[histospec] {len(prompt_ids)} prompts x G={args.group_size} (prompt lengths "
         f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))}), max_new_tokens="
         f"{args.max_new_tokens}, budget {args.budget}, buckets {args.buckets}, {dtype}", flush=True)
-  t0 = time.perf_counter()
-  RolloutEngine(base, cfg, None).warmup(filters=False)  # compiles every shape both engines use
-  print(f"[histospec] warm-up (compilation) {time.perf_counter() - t0:.1f}s", flush=True)
-  compiles_before = dict(TRACE_COUNTS)
-
   rows = []
+  compiled_in_rollouts = []
   for temp in args.temperatures:
     params = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
     store = HistoryStore(epochs_kept=1)
     model = base
+    trainer = None
+    if args.policy_change == "grpo":
+      trainer = make_trainer(args, dtype, temp, tempfile.mkdtemp(prefix="histospec_grpo_"))
+      model = nnx.merge(trainer.graphdef, trainer.params)
+    t0 = time.perf_counter()
+    RolloutEngine(model, cfg, None).warmup(filters=False)  # every shape the engines use
+    print(f"[histospec] warm-up (compilation) {time.perf_counter() - t0:.1f}s", flush=True)
+    compiles_before = dict(TRACE_COUNTS)
     for epoch in range(args.epochs):
-      if epoch > 0 and args.noise > 0:  # the same weight trajectory at every temperature
+      if epoch > 0 and args.policy_change == "noise" and args.noise > 0:
+        # the same weight trajectory at every temperature
         model = perturb(model, args.noise, jax.random.fold_in(jax.random.key(args.seed), epoch))
       reqs = make_requests(prompt_ids, args.group_size, params, epoch)
       # Fresh randomness every epoch, as in training (draws are keyed by seed, request id and
@@ -212,22 +264,38 @@ def main(argv=None):
       rows.append(line)
       print(f"[histospec] T={temp} epoch {epoch} plain: {plain['tokens']} tokens, "
             f"{plain['decode_tps']:.1f} decode tok/s, {plain['total_s']:.1f}s", flush=True)
+      overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
       for mode in args.modes:
         if epoch == 0 and mode != "siblings":
           continue  # no history yet: 'history' drafts nothing, 'both' equals 'siblings'
-        drafter = make_drafter(mode, store, args)
-        results, st = run(RolloutEngine(model, ecfg, drafter), reqs)
-        same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
-        rows.append(dict(temp=temp, epoch=epoch, mode=mode, same=same, **st))
-        print(f"[histospec] T={temp} epoch {epoch} {mode}: accepted length {st['mal']:.2f}, "
-              f"hit {st['hit']:.2f}, fwd/token {st['fpt']:.3f}, draft {st['draft_ms']:.1f} "
-              f"ms/step, decode {st['decode_tps']:.1f} tok/s ({st['decode_tps'] / plain['decode_tps']:.2f}x), "
-              f"same tokens {same}/{len(reqs)}, {st['total_s']:.1f}s", flush=True)
+        for overlap in overlaps:
+          drafter = make_drafter(mode, store, args)
+          label = mode + ("+ahead" if overlap else "")
+          engine = RolloutEngine(model, dataclasses.replace(ecfg, overlap_drafting=overlap),
+                                 drafter)
+          results, st = run(engine, reqs)
+          same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
+          rows.append(dict(temp=temp, epoch=epoch, mode=label, same=same, **st))
+          print(f"[histospec] T={temp} epoch {epoch} {label}: accepted length {st['mal']:.2f}, "
+                f"hit {st['hit']:.2f}, fwd/token {st['fpt']:.3f}, draft {st['draft_ms']:.2f} "
+                f"ms/step (+{st['ahead_ms']:.2f} ahead, hit {st['ahead_hit']:.2f}), device "
+                f"{st['device_ms']:.2f} ms/step, decode {st['decode_tps']:.1f} tok/s "
+                f"({st['decode_tps'] / plain['decode_tps']:.2f}x), same tokens "
+                f"{same}/{len(reqs)}, {st['total_s']:.1f}s", flush=True)
       by_prompt: dict = {}
       for req, res in zip(reqs, plain_results):  # the next epoch drafts from this one
         by_prompt.setdefault(req.prompt_key, []).append(res.tokens)
       for key, responses in by_prompt.items():
         store.add_group(key, epoch, responses)
+      if trainer is not None and epoch + 1 < args.epochs:
+        t0 = time.perf_counter()
+        model, m = grpo_update(trainer, examples, prompt_ids, reqs, plain_results, epoch,
+                               args.grpo_steps)
+        print(f"[histospec] T={temp} after epoch {epoch}: {args.grpo_steps} GRPO step(s), "
+              f"reward {m['reward']:.3f}, kl {m['kl']:.2e}, "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    if dict(TRACE_COUNTS) != compiles_before:
+      compiled_in_rollouts.append((temp, compiles_before, dict(TRACE_COUNTS)))
 
   plain_of = {(r["temp"], r["epoch"]): r for r in rows if r["mode"] == "plain"}
   table_rows = []
@@ -237,31 +305,39 @@ def main(argv=None):
     table_rows.append([
         r["temp"], r["epoch"], r["mode"], r["tokens"], f"{r['mal']:.2f}",
         f"{r['hit']:.2f}" if spec else "-", f"{r['fpt']:.3f}",
-        f"{r['draft_ms']:.1f}" if spec else "-", f"{r['same']}/{p['same']}",
+        f"{r['draft_ms']:.2f}" if spec else "-",
+        f"{r['ahead_ms']:.2f} / {r['ahead_hit']:.2f}" if r["mode"].endswith("+ahead") else "-",
+        f"{r['device_ms']:.2f}", f"{r['same']}/{p['same']}",
         f"{r['decode_tps']:.1f}", f"{r['decode_tps'] / p['decode_tps']:.2f}x",
         f"{r['total_tps']:.1f}", f"{r['total_tps'] / p['total_tps']:.2f}x"])
   headers = ["T", "epoch", "drafts", "tokens", "accepted len/verify", "hit rate", "fwd/token",
-             "draft ms/step", "same tokens", "decode tok/s", "vs plain", "rollout tok/s",
+             "draft ms/step", "ahead ms/step / hit", "device ms/step", "same tokens", "decode tok/s", "vs plain", "rollout tok/s",
              "vs plain"]
   table = common.markdown_table(headers, table_rows)
-  compiles_after = dict(TRACE_COUNTS)
   print(table)
-  if compiles_after != compiles_before:  # a compile inside a timed rollout would skew tok/s
-    print(f"[histospec] WARNING: compiled during the rollouts: {compiles_before} -> "
-          f"{compiles_after}", flush=True)
+  for temp, before, after in compiled_in_rollouts:  # a compile inside a timed rollout skews tok/s
+    print(f"[histospec] WARNING: T={temp}: compiled during the rollouts: {before} -> {after}",
+          flush=True)
   wall = time.perf_counter() - t_start
   notes = [
       f"{args.model}, real GGUF weights dequantized to {dtype}; {len(prompt_ids)} GSM8K train "
       f"prompts (from #{args.prompt_offset}, chat template + 'gsm8k' prompt template) x "
       f"G={args.group_size}, max_new_tokens={args.max_new_tokens}, {args.epochs} epochs, no "
       f"top-p/top-k",
-      f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight tensor "
-      f"(a stand-in for a GRPO step; the trainer is being finished in parallel)",
+      (f"policy change between epochs: {args.grpo_steps} GRPO step(s) of the real trainer on "
+       f"the epoch's own samples (gsm8k reward, lr {args.learning_rate:g})"
+       if args.policy_change == "grpo" else
+       f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight "
+       f"tensor"),
       f"speculative engines verify a {args.budget}-token tree per slot every step "
       f"(HistoryDrafter adaptive budget from {args.start_budget}, min path prob "
       f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
       f"history = the previous epoch's plain responses",
-      "decode tok/s = tokens / (host drafting + device step time), prefill excluded; rollout "
+      "draft ms/step = host drafting on the critical path (device idle); ahead ms/step = "
+      "drafting in a background thread while the device verifies (+ahead rows), hit = share of "
+      "drafts taken from those trees; device ms/step = dispatch to outputs on the host",
+      "decode tok/s = tokens / (critical-path drafting + device step time + waiting for the "
+      "background drafts), prefill excluded; rollout "
       "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's; "
       "fwd/token = batched forward passes / tokens (compare with plain in the same epoch)",
       "sampling seed: " + ("the same every epoch (--reuse_seed: common random numbers)"

@@ -57,6 +57,7 @@ class RolloutOptions:
   spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
   draft_budget: int  # largest draft tree verified per step (tokens)
   spec_max_live: int  # speculate only while at most this many requests are live
+  overlap_drafting: bool  # draft the next step on the host while the device verifies this one
   prefill_chunk: int
 
 
@@ -151,6 +152,8 @@ _FLAGS = {
         ("spec_max_live", 32, "Speculate only while at most this many requests are live "
          "(verifying trees costs compute; large batches are compute bound, so speculation pays "
          "in the tail of a rollout, and on CPUs only at small batch)."),
+        ("overlap_drafting", True, "Draft the next step in a background thread while the "
+         "device verifies the current one (drafts never change what is sampled)."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
     ],
     RLOptions: [

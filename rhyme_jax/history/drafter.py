@@ -16,20 +16,20 @@ new_tokens, drafted, accepted)` after it (`new_tokens` = tokens the request emit
 when no further request of the group will run. The trainer calls `record_group` for each
 finished group (the next epoch drafts from it) and `begin_epoch` at epoch boundaries.
 
-Overlapping host drafting with device compute: a request's next draft depends on what the
-current step emits, so it cannot be computed while that step runs. What can overlap (JAX
-dispatch is asynchronous) is drafting for *other* requests: e.g. the engine splits the slots
-into two halves and drafts one half while the device verifies the other.
-`PrefetchingDrafter` runs `propose` in a background thread for that: `submit(queries)` right
-after a dispatch, `result()` when the drafts are needed.
+Drafting off the critical path: a request's next draft depends on what the current step emits,
+so it cannot simply be computed while that step runs. `lookahead` drafts a deeper tree from the
+context *before* the step (the engine runs it in a background thread while the device
+verifies); next step the engine passes the subtree continuing the emitted tokens as
+`DraftQuery.ahead`, and `propose` takes it (cut to the adaptive budget) instead of matching
+again. It is the walk the synchronous draft would start, anchored on a longer context: the
+matched suffix plus the emitted tokens. When the emitted tokens left that tree, `propose`
+drafts synchronously as before.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import threading
 import time
 from typing import Hashable, Sequence
 
@@ -93,8 +93,9 @@ class HistoryDrafter:
     self.start_budget, self.max_budget = start_budget, max_budget
     self.fallback_decay = fallback_decay
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
-    # Strings asked about: a match (<= max_match) plus a path of <= max_budget tokens.
-    self.index_depth = max_match + max_budget + 1
+    # Strings asked about: a match (<= max_match) plus a path of <= 2 * max_budget + 1 tokens
+    # (a tree drafted ahead spans this step's draft, its bonus token and the next draft).
+    self.index_depth = max_match + 2 * max_budget + 2
     self.index_cache = index_cache
     self.idle_groups_kept = idle_groups_kept
     self.epoch = 0
@@ -180,6 +181,26 @@ class HistoryDrafter:
       tail = np.concatenate([[START], tail])
     return tail
 
+  def _draft(self, q: DraftQuery, budget: int) -> DraftTree:
+    """A best-first tree of <= budget tokens from the matched suffixes (padded to q.budget)."""
+    response = np.asarray(q.response, np.int64).reshape(-1)
+    sources: list[Source] = []
+    ctx = self.context(response)
+    # An empty response is [START] alone: one token, but anchored at the start of every
+    # indexed response, so it drafts how past responses (or siblings) began.
+    min_len = 1 if len(response) == 0 else self.min_match
+    if budget > 0 and self.use_history:
+      index = self._history_index(store_key(q.prompt_key))
+      if index is not None:
+        sources += match_sources(index, ctx, min_len=min_len, max_len=self.max_match,
+                                 weight=self.history_weight, decay=self.fallback_decay)
+    if budget > 0 and self.use_siblings and q.group_id in self._groups:
+      sources += match_sources(self._groups[q.group_id].index, ctx, min_len=min_len,
+                               max_len=self.max_match, weight=self.sibling_weight,
+                               decay=self.fallback_decay)
+    tree, _ = build_tree(sources, max(budget, 0), min_prob=self.min_prob, pad_to=q.budget)
+    return tree
+
   def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
     t0 = time.perf_counter()
     out = []
@@ -188,28 +209,35 @@ class HistoryDrafter:
       response = np.asarray(q.response, np.int64).reshape(-1)
       if self.use_siblings and req.indexed < len(response):  # tokens observe did not report
         self._feed_sibling(q.request_id, req, response[req.indexed:])
-      budget = min(req.budget, q.budget, self.max_budget)
-      sources: list[Source] = []
-      ctx = self.context(response)
-      # An empty response is [START] alone: one token, but anchored at the start of every
-      # indexed response, so it drafts how past responses (or siblings) began.
-      min_len = 1 if len(response) == 0 else self.min_match
-      if budget > 0 and self.use_history:
-        index = self._history_index(store_key(q.prompt_key))
-        if index is not None:
-          sources += match_sources(index, ctx, min_len=min_len, max_len=self.max_match,
-                                   weight=self.history_weight, decay=self.fallback_decay)
-      if budget > 0 and self.use_siblings and q.group_id in self._groups:
-        sources += match_sources(self._groups[q.group_id].index, ctx, min_len=min_len,
-                                 max_len=self.max_match, weight=self.sibling_weight,
-                                 decay=self.fallback_decay)
-      tree, _ = build_tree(sources, max(budget, 0), min_prob=self.min_prob, pad_to=q.budget)
+      budget = max(min(req.budget, q.budget, self.max_budget), 0)
+      if q.ahead is not None:  # drafted ahead (best-first order): its first `budget` nodes
+        tree = q.ahead.padded(budget).padded(q.budget)
+        self.stats["ahead_used"] += 1
+      else:
+        tree = self._draft(q, budget)
       req.last_depth = tree_depth(tree)
       self.stats["draft_tokens"] += tree.size
       out.append(tree)
     self.stats["propose_calls"] += 1
     self.stats["propose_queries"] += len(queries)
     self.stats["propose_seconds"] += time.perf_counter() - t0
+    return out
+
+  def lookahead(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+    """Deeper trees for drafting ahead (up to q.budget tokens, enough for this step's adaptive
+    draft, its bonus and the next one); reads budgets, indexes and the store and changes nothing
+    `propose` / `observe` read (a history index may be built and cached)."""
+    t0 = time.perf_counter()
+    out = []
+    for q in queries:
+      # No use drafting deeper than this step's draft, its bonus and the next adaptive budget
+      # (at most twice this one): trees past that would be cut anyway.
+      req = self._requests.get(q.request_id)
+      now = self.start_budget if req is None else req.budget
+      cap = min(now, self.max_budget) + 1 + min(2 * now, self.max_budget)
+      out.append(self._draft(q, min(q.budget, cap)))
+    self.stats["lookahead_queries"] += len(queries)
+    self.stats["lookahead_seconds"] += time.perf_counter() - t0
     return out
 
   def observe(self, request_id: int, group_id: Hashable, new_tokens: np.ndarray,
@@ -251,51 +279,3 @@ class HistoryDrafter:
   @property
   def live_groups(self) -> int:
     return len(self._groups)
-
-
-class PrefetchingDrafter:
-  """Runs a drafter's `propose` in a background thread so host drafting overlaps device work.
-
-  Usage in an engine loop: dispatch a device step (asynchronous), `submit(queries)` for
-  requests whose context that step does not change (e.g. the other half of the slots), block on
-  the step's outputs, then `result()` for the drafts. `observe` / `finish` go through
-  this wrapper too; a lock keeps them from interleaving with a running `propose`, and
-  `propose` (synchronous) is `submit` + `result`. Record groups into the store (trainer side)
-  only while no `submit` is outstanding.
-  """
-
-  def __init__(self, drafter: HistoryDrafter):
-    self.drafter = drafter
-    self._lock = threading.Lock()
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    self._future: concurrent.futures.Future | None = None
-
-  def _locked_propose(self, queries):
-    with self._lock:
-      return self.drafter.propose(queries)
-
-  def submit(self, queries: Sequence[DraftQuery]) -> None:
-    if self._future is not None:
-      raise RuntimeError("PrefetchingDrafter.submit: the previous drafts were never collected")
-    self._future = self._pool.submit(self._locked_propose, list(queries))
-
-  def result(self) -> list[DraftTree]:
-    if self._future is None:
-      raise RuntimeError("PrefetchingDrafter.result: nothing was submitted")
-    future, self._future = self._future, None
-    return future.result()
-
-  def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
-    self.submit(queries)
-    return self.result()
-
-  def observe(self, request_id, group_id, new_tokens, drafted, accepted) -> None:
-    with self._lock:
-      self.drafter.observe(request_id, group_id, new_tokens, drafted, accepted)
-
-  def finish(self, request_id, group_id) -> None:
-    with self._lock:
-      self.drafter.finish(request_id, group_id)
-
-  def close(self) -> None:
-    self._pool.shutdown(wait=True)

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging as absl_logging
 from flax import nnx
 
 from rhyme_jax import checkpoint as ckpt_lib
@@ -57,7 +58,7 @@ from rhyme_jax.rl import losses
 from rhyme_jax.rl.advantages import get_advantage
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
-from rhyme_jax.rollout.sampling import SamplingParams
+from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
 
 ARITHMETIC_TRAIN_SIZE = 2000  # problems generated when --train_size=0
 ARITHMETIC_TEST_SIZE = 200  # held-out problems (fixed: the train split excludes them)
@@ -308,13 +309,19 @@ class Trainer:
         max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
         buckets=tuple(engine_buckets), budgets=(0, c.rollout.draft_budget) if self.drafter
         else (0,), budget_by_batch=((c.rollout.spec_max_live, c.rollout.draft_budget),),
-        prefill_chunk=c.rollout.prefill_chunk,
+        prefill_chunk=c.rollout.prefill_chunk, overlap_drafting=c.rollout.overlap_drafting,
         eos_ids=tuple(self.tokenizer.stop_ids), seed=c.run.seed), self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                    top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens)
     self.buckets = length_buckets(c.rollout.max_prompt_len + c.rollout.max_new_tokens)
     self.micro = c.rl.micro_batch_size or b
     self._compile()
+    # Every rollout shape (buckets x draft budgets, prefill, slot moves) compiles here, once:
+    # for training sampling and, if it differs, for greedy evaluation.
+    t0 = time.perf_counter()
+    for filters in {needs_filtering([self.sampling]), False}:
+      self.engine.warmup(filters=filters)
+    absl_logging.info("rollout engine compiled in %.1fs", time.perf_counter() - t0)
     self.checkpointer = ckpt_lib.RunCheckpointer(c.run.run_dir, keep_last=c.run.keep_checkpoints,
                                                  save_every=c.run.checkpoint_every)
     self.step = 0
@@ -375,7 +382,8 @@ class Trainer:
                     group_id=(group_prefix, i), prompt_key=p.key)
             for i, p in enumerate(prompts) for j in range(g)]
 
-  def _score(self, sample: Sample):
+  def score(self, sample: Sample) -> None:
+    """Fills in a sample's text, reward and correctness."""
     sample.text = self.tokenizer.decode(sample.tokens)
     result = self.reward_fn.score(sample.text, sample.prompt.example)
     sample.reward = float(result.reward)
@@ -393,7 +401,8 @@ class Trainer:
     results = self.engine.generate(self._requests(prompts, base, self.sampling,
                                                   (self.step, round_idx)))
     s = self.engine.stats
-    for k in ("tokens", "useful_slot_steps", "steps"):
+    for k in ("tokens", "useful_slot_steps", "steps", "draft_time_s", "lookahead_time_s",
+              "ahead_hits", "ahead_misses"):
       stats[k] = stats.get(k, 0) + getattr(s, k)
     stats["time/rollout"] = stats.get("time/rollout", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -405,7 +414,7 @@ class Trainer:
         if r.finish_reason == "error":
           raise RuntimeError(f"rollout of example {p.example.uid} failed: {r.error}")
         sample = Sample(p, r.tokens, r.logprobs, r.finish_reason)
-        self._score(sample)
+        self.score(sample)
         group.append(sample)
       if c.rl.overlong_buffer:
         pen = losses.overlong_penalty(np.array([len(x.tokens) for x in group]),
@@ -506,6 +515,11 @@ class Trainer:
     m["rollout/tokens_per_s"] = stats["tokens"] / max(stats["time/rollout"], 1e-9)
     m["rollout/mean_accepted_length"] = stats["tokens"] / max(stats["useful_slot_steps"], 1)
     m["rollout/forwards_per_token"] = stats["steps"] / max(stats["tokens"], 1)
+    # Host drafting per decode step: on the critical path, and in the background (overlapped).
+    m["rollout/draft_ms_per_step"] = 1e3 * stats["draft_time_s"] / max(stats["steps"], 1)
+    m["rollout/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
+    m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
+        stats["ahead_hits"] + stats["ahead_misses"], 1)
     m["time/rollout"] = stats["time/rollout"]
     m["time/reward"] = stats["time/reward"]
     rows = stats["rows"]
@@ -530,7 +544,7 @@ class Trainer:
     results = self.engine.generate(self._requests(prompts, 0, greedy, ("eval", self.step)))
     samples = [Sample(p, r.tokens, r.logprobs, r.finish_reason) for p, r in zip(prompts, results)]
     for s in samples:
-      self._score(s)
+      self.score(s)
     if self.drafter is not None:
       for i in range(len(prompts)):
         self.drafter.end_group((("eval", self.step), i))

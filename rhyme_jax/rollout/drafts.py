@@ -57,6 +57,31 @@ class DraftTree:
       d[i] = 1 if p < 0 else d[p] + 1
     return d
 
+  def after(self, path: Sequence[int]) -> "DraftTree | None":
+    """The subtree below the node reached from the root by the tokens `path`, as a tree rooted
+    at that node (node order kept, so a best-first tree stays best-first); None when `path` is
+    not a path of this tree or its end has no children.
+
+    What a tree drafted ahead is good for once a step has emitted `path`: its continuation.
+    """
+    tokens, parents = self.tokens.tolist(), self.parents.tolist()
+    valid = self.valid.tolist()
+    node = -1
+    for tok in path:  # nodes are topologically ordered: a child comes after its parent
+      node = next((i for i in range(node + 1, len(tokens))
+                   if valid[i] and parents[i] == node and tokens[i] == tok), None)
+      if node is None:
+        return None
+    new_index = {node: -1}  # kept node -> its index in the subtree
+    nodes = []
+    for i in range(node + 1, len(tokens)):
+      if valid[i] and parents[i] in new_index:
+        new_index[i] = len(nodes)
+        nodes.append((tokens[i], new_index[parents[i]]))
+    if not nodes:
+      return None
+    return DraftTree.from_nodes(nodes, len(nodes))
+
   def padded(self, budget: int) -> "DraftTree":
     """The same tree in a budget of another size (nodes past it dropped, with their subtrees)."""
     if budget >= len(self.tokens):
@@ -82,6 +107,10 @@ class DraftQuery:
   prompt: np.ndarray  # int32 prompt tokens
   response: np.ndarray  # int32 response tokens so far; the last one is the tree's root
   budget: int  # the most draft tokens the engine can verify for this request this step
+  # A draft prepared ahead, off the critical path: the part of the tree this request's drafter
+  # returned from `lookahead` during the previous step that continues what that step emitted
+  # (None when the emitted tokens left that tree). A drafter may use it instead of drafting.
+  ahead: DraftTree | None = None
 
 
 class DraftSource(Protocol):
@@ -90,6 +119,13 @@ class DraftSource(Protocol):
   `propose` is called once per step for the live requests; `observe` after each step with what
   was accepted (siblings' tokens feed grouped drafts, acceptance feeds adaptive budgets);
   `finish` when a request ends.
+
+  Optional, for drafting off the critical path (`EngineConfig.overlap_drafting`):
+  `lookahead(queries) -> list[DraftTree]` drafts as `propose` would but changes no state the
+  other calls read (e.g. adaptive budgets); the engine calls it in a background thread while the
+  device verifies the current step, with the step's queries and a larger budget, and passes each
+  request the continuation of what was actually emitted as `DraftQuery.ahead` next step. The
+  engine never calls another method while `lookahead` runs.
   """
 
   def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:

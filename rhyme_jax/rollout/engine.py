@@ -13,6 +13,7 @@ The engine is the narrow interface the trainer sees: `generate(requests) -> resu
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -67,6 +68,11 @@ class EngineConfig:
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
+  # Draft the next step on the host while the device verifies this one: the drafter's
+  # `lookahead` runs in a background thread on this step's contexts with a larger budget, and
+  # next step each request gets the part of that tree continuing what it emitted (see
+  # `DraftSource`). Drafters without `lookahead` are unaffected.
+  overlap_drafting: bool = False
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
@@ -94,8 +100,12 @@ class EngineStats:
   slot_steps: int = 0
   drafted: int = 0
   accepted: int = 0
-  draft_time_s: float = 0.0
-  device_time_s: float = 0.0
+  draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
+  device_time_s: float = 0.0  # dispatch to outputs on the host (background drafting overlaps it)
+  lookahead_time_s: float = 0.0  # background drafting, overlapped with device_time_s
+  lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
+  ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
+  ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead (or ended it)
   total_time_s: float = 0.0
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
   trace: list = dataclasses.field(default_factory=list)  # per step: (bucket, budget, live, queued)
@@ -123,7 +133,9 @@ class EngineStats:
                 forwards_per_token=self.forwards_per_token,
                 slot_utilisation=self.slot_utilisation, drafted=self.drafted,
                 accepted=self.accepted, draft_time_s=self.draft_time_s,
-                device_time_s=self.device_time_s, total_time_s=self.total_time_s)
+                device_time_s=self.device_time_s, lookahead_time_s=self.lookahead_time_s,
+                lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
+                ahead_misses=self.ahead_misses, total_time_s=self.total_time_s)
 
 
 @dataclasses.dataclass
@@ -134,6 +146,14 @@ class _Live:
   steps: int = 0
   drafted: int = 0
   accepted: int = 0
+  ahead: DraftTree | None = None  # drafted ahead from the context before the last step
+  ahead_from: int = -1  # response length that tree continues
+
+
+def _timed(fn, *args):
+  t0 = time.perf_counter()
+  out = fn(*args)
+  return out, time.perf_counter() - t0
 
 
 # Compiled once per process and shape: jit's cache is keyed on the (hashable) graphdef, the
@@ -167,9 +187,18 @@ class RolloutEngine:
     self.graphdef, self.params = nnx.split(model)
     self.drafter = drafter
     self.stats = EngineStats()
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for overlap_drafting
 
   def _new_state(self, bucket: int) -> step.DecodeState:
-    return step.DecodeState.empty(KVCache.zeros(self.model_config, bucket, self.config.cache_len))
+    """A fresh state; on the params' mesh (replicated) when they have one, so the first step
+    sees the placement every later step does (otherwise it would compile a second variant)."""
+    state = step.DecodeState.empty(KVCache.zeros(self.model_config, bucket,
+                                                 self.config.cache_len))
+    sharding = jax.tree.leaves(self.params)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      state = jax.device_put(state, jax.sharding.NamedSharding(sharding.mesh,
+                                                               jax.sharding.PartitionSpec()))
+    return state
 
   def _shrink(self, state: step.DecodeState, bucket: int, order: list[int]):
     """Moves rows `order` into the next smaller bucket (one level at a time, so only
@@ -182,12 +211,16 @@ class RolloutEngine:
     so a rollout never compiles."""
     seed = jnp.uint32(self.config.seed)
     buckets = sorted(self.config.buckets, reverse=True)
+    dummy = [(0, Request(-1, [0, 0], SamplingParams()))]
     for bucket in buckets:
-      state = self._new_state(bucket)
-      for budget in self.config.budgets:
-        trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
-        state, _ = _verify_jit(self.graphdef, self.params, state, trees, seed, filters=filters)
-      state = self._admit(state, [(0, Request(-1, [0, 0], SamplingParams()))])
+      # Every call as a rollout makes it: on a fresh state and on states that steps returned
+      # (their placement may differ from a fresh one's on a multi-device mesh).
+      state = self._admit(self._new_state(bucket), dummy)
+      for _ in range(2):
+        for budget in self.config.budgets:
+          trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
+          state, _ = _verify_jit(self.graphdef, self.params, state, trees, seed, filters=filters)
+        state = self._admit(state, dummy)
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 
@@ -278,6 +311,20 @@ class RolloutEngine:
     return _load_jit(state.replace(cache=cache), new, length, root, request, temperature, top_p,
                      top_k)
 
+  def _query(self, lv: _Live, budget: int) -> DraftQuery:
+    """What the drafter sees of a live request, with the continuation of its tree drafted
+    ahead (if any) past the tokens emitted since."""
+    ahead = None
+    if lv.ahead is not None:
+      ahead = lv.ahead.after(lv.tokens[lv.ahead_from:])
+      self.stats.ahead_misses += ahead is None
+      lv.ahead = None
+    room = lv.req.params.max_new_tokens - len(lv.tokens) - 1
+    key = lv.req.prompt_key if lv.req.prompt_key is not None else tuple(lv.req.prompt)
+    return DraftQuery(lv.req.request_id, lv.req.group_id, key,
+                      np.asarray(lv.req.prompt, np.int32), np.asarray(lv.tokens, np.int32),
+                      max(min(budget, room), 0), ahead)
+
   def _finish_reason(self, live: _Live) -> str | None:
     p = live.req.params
     toks = live.tokens
@@ -319,6 +366,10 @@ class RolloutEngine:
     state = self._new_state(bucket)
     slots: list[_Live | None] = [None] * bucket
     seed = jnp.uint32(self.config.seed)
+    overlap = self.config.overlap_drafting and hasattr(self.drafter, "lookahead")
+    if overlap and self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
+    pool = self._pool
 
     while queue or any(slots):
       admits = []
@@ -337,16 +388,11 @@ class RolloutEngine:
       budget = self.budget_for(len(live_idx))
       td = time.perf_counter()
       trees = [DraftTree.empty(budget)] * bucket
+      queries = []
       if budget > 0:
-        queries = []
         for i in live_idx:
-          lv = slots[i]
-          room = lv.req.params.max_new_tokens - len(lv.tokens) - 1
-          queries.append(DraftQuery(lv.req.request_id, lv.req.group_id,
-                                    lv.req.prompt_key if lv.req.prompt_key is not None
-                                    else tuple(lv.req.prompt),
-                                    np.asarray(lv.req.prompt, np.int32),
-                                    np.asarray(lv.tokens, np.int32), max(min(budget, room), 0)))
+          queries.append(self._query(slots[i], budget))
+          stats.ahead_hits += queries[-1].ahead is not None
         for i, tree in zip(live_idx, self.drafter.propose(queries)):
           trees[i] = tree
         budget, trees = self._fit_budget(budget, trees)
@@ -356,9 +402,20 @@ class RolloutEngine:
       tdev = time.perf_counter()
       state, out = _verify_jit(self.graphdef, self.params, state, tree_batch, seed,
                                filters=filters)
+      ahead = None
+      if queries and overlap:  # drafts for the next step while the device runs this one
+        wide = [dataclasses.replace(q, budget=2 * q.budget + 1, ahead=None) for q in queries]
+        ahead = pool.submit(_timed, self.drafter.lookahead, wide)
       tokens_BxN, logp_BxN, num_B = jax.device_get(
           (out.tokens_BxN, out.logprobs_BxN, out.num_emitted_B))
       stats.device_time_s += time.perf_counter() - tdev
+      if ahead is not None:
+        tw = time.perf_counter()
+        wide_trees, seconds = ahead.result()
+        stats.lookahead_wait_s += time.perf_counter() - tw
+        stats.lookahead_time_s += seconds
+        for i, tree in zip(live_idx, wide_trees):
+          slots[i].ahead, slots[i].ahead_from = tree, len(slots[i].tokens)
       stats.steps += 1
       stats.steps_by_shape[(bucket, budget)] += 1
       stats.slot_steps += bucket

@@ -2,10 +2,12 @@
 almost entirely, unrelated history is rejected and never changes output, sibling drafts never
 change what a group samples."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from rhyme_jax.history.drafter import HistoryDrafter, PrefetchingDrafter
+from rhyme_jax.history.drafter import HistoryDrafter
 from rhyme_jax.history.store import HistoryStore, prompt_key
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.transformer import init_model
@@ -25,11 +27,12 @@ def model():
   return init_model(cfg, seed=1)
 
 
-def engine(model, drafter, eos=(EOS,), budget=BUDGET):
+def engine(model, drafter, eos=(EOS,), budget=BUDGET, overlap=False):
   """Every step verifies a tree of `budget` tokens (empty for NoDrafts): one step shape for
   plain and speculative runs, so their tokens must be bit-identical."""
   cfg = EngineConfig(max_len=96, buckets=(8, 4, 2, 1), budgets=(budget,),
-                     budget_by_batch=((1 << 30, budget),), eos_ids=eos, seed=7)
+                     budget_by_batch=((1 << 30, budget),), eos_ids=eos, seed=7,
+                     overlap_drafting=overlap)
   return RolloutEngine(model, cfg, drafter)
 
 
@@ -152,19 +155,17 @@ def test_unrelated_history_never_changes_output(model, temperature, unrelated):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sibling_drafts_never_change_a_group(model, temperature):
   """G = 8 samples of one prompt at temperature: drafting from the live siblings (no history)
-  emits the same tokens as no drafting, through the plain and the prefetching wrapper."""
+  emits the same tokens as no drafting, with drafts made synchronously or ahead."""
   params = SamplingParams(temperature=temperature, max_new_tokens=48)
   reqs = group_requests(prompts(2, seed=4), 8, params)
   plain = engine(model, NoDrafts()).generate(reqs)
-  for wrap in (lambda d: d, PrefetchingDrafter):
+  for overlap in (False, True):
     drafter = HistoryDrafter(None, use_history=False, use_siblings=True, max_budget=BUDGET)
-    eng = engine(model, wrap(drafter))
+    eng = engine(model, drafter, overlap=overlap)
     spec = eng.generate(reqs)
-    assert_same_tokens(plain, spec, f"siblings, T={temperature}")
+    assert_same_tokens(plain, spec, f"siblings, T={temperature}, overlap={overlap}")
     assert eng.stats.drafted > 0
     assert drafter.live_groups <= 2
-    if isinstance(eng.drafter, PrefetchingDrafter):
-      eng.drafter.close()
 
 
 def test_history_and_siblings_keep_tokens_under_perturbed_weights(model):
@@ -188,3 +189,34 @@ def test_history_and_siblings_keep_tokens_under_perturbed_weights(model):
   spec = eng.generate(reqs)
   assert_same_tokens(plain, spec, "perturbed weights")
   assert eng.stats.accepted > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_drafting_ahead_overlaps_the_device_and_changes_no_token(model, temperature):
+  """`overlap_drafting`: drafts come from trees drafted in a background thread during the
+  previous step. Replaying history (greedy, same weights) nearly every step takes its draft
+  from there (hits), and at any temperature the tokens equal plain decoding; nothing compiles
+  beyond the non-overlapped run's shapes."""
+  from rhyme_jax.rollout.engine import TRACE_COUNTS
+  params = SamplingParams(temperature=temperature, max_new_tokens=64)
+  reqs = group_requests(prompts(4, seed=8), 2, params)
+  plain = engine(model, NoDrafts(), eos=()).generate(reqs)
+  history = engine(model, NoDrafts(), eos=()).generate(
+      [dataclasses.replace(r, params=SamplingParams(temperature=0.0, max_new_tokens=64))
+       for r in reqs])
+  runs = {}
+  for overlap in (False, True):
+    drafter = HistoryDrafter(HistoryStore(), start_budget=2, max_budget=BUDGET)
+    record(drafter, reqs, history)
+    eng = engine(model, drafter, eos=(), overlap=overlap)
+    eng.warmup()
+    traces = dict(TRACE_COUNTS)
+    runs[overlap] = (eng.generate(reqs), eng.stats, drafter.stats)
+    assert dict(TRACE_COUNTS) == traces, "a rollout compiled"
+    assert_same_tokens(plain, runs[overlap][0], f"overlap={overlap}, T={temperature}")
+  stats, dstats = runs[True][1], runs[True][2]
+  assert stats.lookahead_time_s > 0 and dstats["lookahead_queries"] > 0
+  assert dstats["ahead_used"] == stats.ahead_hits
+  if temperature == 0.0:  # the replayed history: almost every draft was prepared ahead
+    assert stats.ahead_hits >= 0.8 * (stats.ahead_hits + stats.ahead_misses)
+    assert stats.mean_accepted_length >= 0.75 * runs[False][1].mean_accepted_length

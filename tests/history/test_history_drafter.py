@@ -1,11 +1,13 @@
 """HistoryDrafter: exact history gives the true continuation, adaptive budgets, sibling drafts,
-group lifecycle, stats, and the prefetching wrapper."""
+group lifecycle, stats, and drafting ahead (`lookahead` + `DraftQuery.ahead`)."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rhyme_jax.history.drafter import HistoryDrafter, PrefetchingDrafter
+import dataclasses
+
+from rhyme_jax.history.drafter import HistoryDrafter
 from rhyme_jax.history.store import HistoryStore, prompt_key
 from rhyme_jax.history.tree_draft import tree_depth
 from rhyme_jax.rollout.drafts import DraftQuery
@@ -163,28 +165,30 @@ def test_finish_and_end_group_free_state_and_stats_accumulate():
   assert drafter.stats["accepted_tokens"] == 4 and drafter.stats["propose_seconds"] > 0
 
 
-def test_prefetching_wrapper_matches_direct_calls():
+def test_lookahead_changes_no_adaptive_state_and_its_continuation_is_the_true_one():
+  """A tree drafted ahead from the context before a step, cut below the emitted tokens, drafts
+  the true continuation; `lookahead` leaves budgets and stats `observe` reads untouched."""
   future = true_response(5)
   store = HistoryStore()
   store.add_group(KEY, 0, [future, future[::-1]])
-  direct = HistoryDrafter(store)
-  wrapped = PrefetchingDrafter(HistoryDrafter(store))
-  try:
-    for pos in range(3, 40, 5):
-      qs = [query(future[:pos], request_id=0), query(future[::-1][:pos], request_id=1)]
-      a = direct.propose(qs)
-      wrapped.submit(qs)
-      b = wrapped.result()
-      for ta, tb in zip(a, b):
-        np.testing.assert_array_equal(ta.tokens, tb.tokens)
-        np.testing.assert_array_equal(ta.valid, tb.valid)
-      for r, d in enumerate(a):
-        direct.observe(r, "g", future[pos:pos + 1], d.size, d.size)
-        wrapped.observe(r, "g", future[pos:pos + 1], d.size, d.size)
-    with pytest.raises(RuntimeError, match="nothing was submitted"):
-      wrapped.result()
-  finally:
-    wrapped.close()
+  drafter = HistoryDrafter(store, start_budget=2, max_budget=8)
+  pos = 10
+  q = query(future[:pos], budget=8)
+  wide, = drafter.lookahead([dataclasses.replace(q, budget=17)])
+  # Capped at this step's adaptive draft (2) + bonus + the next budget (<= 4): one chain.
+  assert wide.size == 7 and tree_depth(wide) == 7
+  assert drafter.budget_of(0) == 2 and drafter.stats["propose_calls"] == 0
+  emitted = future[pos:pos + 3]  # two drafted tokens accepted + the bonus
+  ahead = wide.after(emitted)
+  tree, = drafter.propose([dataclasses.replace(query(np.concatenate([future[:pos], emitted])),
+                                               ahead=ahead)])
+  assert drafter.stats["ahead_used"] == 1
+  assert tree.size == 2  # the adaptive budget still applies
+  np.testing.assert_array_equal(tree.tokens[:2], future[pos + 3:pos + 5])
+  synchronous, = HistoryDrafter(store, start_budget=2, max_budget=8).propose(
+      [query(np.concatenate([future[:pos], emitted]))])
+  np.testing.assert_array_equal(tree.tokens, synchronous.tokens)
+  assert wide.after(future[pos:pos + 2][::-1]) is None  # emitted tokens that left the tree
 
 
 def test_bad_config_is_named():

@@ -28,6 +28,7 @@ import pytest
 import train_entry
 
 from rhyme_jax.config import parse_flags
+from rhyme_jax.rollout.engine import TRACE_COUNTS
 from rhyme_jax.metrics import read_metrics
 
 ENTRY = os.path.join(os.path.dirname(__file__), "train_entry.py")
@@ -66,7 +67,9 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
                                   "--checkpoint_every=1", "--eval_every=2", "--eval_size=3"))
   t = trainer.Trainer(config)
   before = jax.tree.map(np.array, t.params)
+  traces = dict(TRACE_COUNTS)  # the engine was warmed up in the constructor
   history = t.run()
+  assert dict(TRACE_COUNTS) == traces, "the rollouts or the greedy eval compiled"
 
   assert [len(h) > 0 for h in history] == [True, True]
   records = read_metrics(tmp_path / "run" / "metrics.jsonl")

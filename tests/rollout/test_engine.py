@@ -85,6 +85,22 @@ def test_no_recompilation_after_warmup(tiny_model):
   assert dict(TRACE_COUNTS) == before
 
 
+def test_no_compilation_with_params_on_a_mesh(tiny_model):
+  """The trainer's case: params placed on a (one-device) mesh. Steps return mesh-placed states;
+  fresh states and warm-up match them, so a rollout after warm-up compiles nothing."""
+  import jax
+  from flax import nnx
+  from rhyme_jax import parallel
+  graphdef, params = nnx.split(tiny_model)
+  mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  eng = engine(nnx.merge(graphdef, placed), RandomDrafter(64, seed=1), buckets=(4, 2, 1))
+  eng.warmup(filters=False)
+  before = dict(TRACE_COUNTS)
+  eng.generate(requests(PARAMS["t1.0"], n=7, seed=3))
+  assert dict(TRACE_COUNTS) == before
+
+
 def test_continuous_batching_keeps_slots_full(tiny_model):
   params = [SamplingParams(temperature=1.0, max_new_tokens=int(n))
             for n in np.random.default_rng(0).integers(1, 30, size=20)]

@@ -1,0 +1,46 @@
+"""DraftTree helpers: `after` (the continuation of a tree below emitted tokens) and `padded`."""
+
+import numpy as np
+
+from rhyme_jax.rollout.drafts import DraftTree
+
+# root -> 5 -> 6 -> 7          (nodes 0, 1, 3)
+#      -> 5 -> 8               (node 4, child of 0)
+#      -> 9                    (node 2)
+TREE = DraftTree.from_nodes([(5, -1), (6, 0), (9, -1), (7, 1), (8, 0)], 8)
+
+
+def nodes(tree):
+  return [(int(t), int(p)) for t, p, v in zip(tree.tokens, tree.parents, tree.valid) if v]
+
+
+def test_after_reroots_the_subtree_below_the_path_in_node_order():
+  assert nodes(TREE.after([5])) == [(6, -1), (7, 0), (8, -1)]
+  assert nodes(TREE.after([5, 6])) == [(7, -1)]
+  assert nodes(TREE.after([])) == nodes(TREE)
+
+
+def test_after_is_none_off_the_tree_or_at_a_leaf():
+  assert TREE.after([6]) is None  # not a child of the root
+  assert TREE.after([5, 9]) is None
+  assert TREE.after([9]) is None  # a leaf: nothing continues it
+  assert TREE.after([5, 6, 7]) is None
+
+
+def test_after_ignores_invalid_nodes():
+  tree = DraftTree.from_nodes([(5, -1), (6, 0), (7, 1)], 4)
+  tree.valid[1] = False  # node 2 hangs below an invalid node
+  assert TREE.after([5, 6, 7, 1]) is None
+  assert tree.after([5]) is None
+  assert tree.after([5, 6]) is None
+
+
+def test_padded_cut_keeps_best_first_prefix_and_drops_orphans():
+  cut = TREE.padded(2)
+  assert nodes(cut) == [(5, -1), (6, 0)]
+  tree = DraftTree.from_nodes([(5, -1), (6, 0), (7, 1), (8, 2)], 4)
+  tree.valid[1] = False
+  assert nodes(tree.padded(3)) == [(5, -1)]  # a cut drops nodes below invalid ones
+  grown = TREE.padded(12)
+  assert len(grown.tokens) == 12 and nodes(grown) == nodes(TREE)
+  np.testing.assert_array_equal(grown.valid[8:], False)
