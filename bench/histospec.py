@@ -10,9 +10,9 @@ times its RMS. Per temperature and epoch, the same requests run through:
 - plain: a budget-0 engine (one-token decode steps, no drafter): the speed baseline;
 - history / siblings / both: an engine verifying a `--budget`-token draft tree per slot every
   step, drafts from `HistoryDrafter` with the past-epoch index, the live-sibling index, or both;
-- the same with `+ahead` (`--overlap`): drafting overlapped with the device
-  (`EngineConfig.overlap_drafting`): trees drafted in a background thread while the device
-  verifies the previous step, synchronous drafting only where the emitted tokens left them.
+- the same with `+ahead` / `+ahead_only` (`--draft_modes`, `EngineConfig.draft_mode`): trees
+  drafted in a background thread while the device verifies the previous step; where the emitted
+  tokens left them, a synchronous draft (`ahead`) or none (`ahead_only`).
 
 After each epoch the plain run's responses are recorded as the prompt's history (the next epoch
 drafts from them). Epoch 0 has no history, so only plain and siblings run there.
@@ -20,7 +20,7 @@ drafts from them). Epoch 0 has no history, so only plain and siblings run there.
 Reported per (temperature, epoch, drafter): mean accepted length per verify (tokens per
 slot-verify, bonus included), draft hit rate (accepted / drafted tokens), target forward
 passes per token (decode steps / tokens), host drafting time per step on the critical path
-(and, with `+ahead`, in the background; ahead hit rate = drafts taken from there), requests whose tokens
+(and in the background with `+ahead*`; ahead hit = drafts taken from there), requests whose tokens
 equal the plain run's (speculative verify and one-token decode round differently in the last
 bits, so a near-tie can flip a token), decode tokens/s (tokens / (drafting + device step time),
 prefill excluded) and the whole rollout's tokens/s, each with its ratio to plain. Step
@@ -56,7 +56,7 @@ from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.config import parse_flags  # noqa: E402
 from rhyme_jax.rl.trainer import Prompt, Sample, Trainer  # noqa: E402
 from rhyme_jax.rollout.engine import (  # noqa: E402
-    TRACE_COUNTS, EngineConfig, Request, RolloutEngine)
+    DRAFT_MODES, TRACE_COUNTS, EngineConfig, Request, RolloutEngine)
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 MODEL_NAME = "smollm2-135m-instruct"
@@ -89,9 +89,8 @@ def parse_args(argv=None):
   p.add_argument("--noise", type=float, default=1e-3,
                  help="--policy_change=noise: Gaussian noise, this times each tensor's RMS")
   p.add_argument("--modes", default=",".join(MODES), help=f"drafters to run, from {MODES}")
-  p.add_argument("--overlap", default="both", choices=("off", "on", "both"),
-                 help="draft on the host while the device verifies: off, on, or both (each "
-                      "drafter twice, the overlapped run labelled '+ahead')")
+  p.add_argument("--draft_modes", default=",".join(DRAFT_MODES),
+                 help=f"where drafting runs, each drafter once per mode, from {DRAFT_MODES}")
   p.add_argument("--budget", type=int, default=8,
                  help="verify budget: draft tokens per slot per step (static shape)")
   p.add_argument("--start_budget", type=int, default=2, help="drafter's adaptive start budget")
@@ -118,6 +117,10 @@ def parse_args(argv=None):
   bad = [m for m in args.modes if m not in MODES]
   if bad or not args.modes:
     p.error(f"--modes: unknown {bad or 'empty list'}; choose from {MODES}")
+  args.draft_modes = tuple(m for m in args.draft_modes.split(",") if m)
+  bad = [m for m in args.draft_modes if m not in DRAFT_MODES]
+  if bad or not args.draft_modes:
+    p.error(f"--draft_modes: unknown {bad or 'empty list'}; choose from {DRAFT_MODES}")
   args.buckets = _int_list(p, "buckets", args.buckets)
   for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget", "start_budget",
                "prefill_chunk", "grpo_steps"):
@@ -264,14 +267,13 @@ def main(argv=None):
       rows.append(line)
       print(f"[histospec] T={temp} epoch {epoch} plain: {plain['tokens']} tokens, "
             f"{plain['decode_tps']:.1f} decode tok/s, {plain['total_s']:.1f}s", flush=True)
-      overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
       for mode in args.modes:
         if epoch == 0 and mode != "siblings":
           continue  # no history yet: 'history' drafts nothing, 'both' equals 'siblings'
-        for overlap in overlaps:
+        for draft_mode in args.draft_modes:
           drafter = make_drafter(mode, store, args)
-          label = mode + ("+ahead" if overlap else "")
-          engine = RolloutEngine(model, dataclasses.replace(ecfg, overlap_drafting=overlap),
+          label = mode + ("" if draft_mode == "sync" else f"+{draft_mode}")
+          engine = RolloutEngine(model, dataclasses.replace(ecfg, draft_mode=draft_mode),
                                  drafter)
           results, st = run(engine, reqs)
           same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
@@ -306,12 +308,13 @@ def main(argv=None):
         r["temp"], r["epoch"], r["mode"], r["tokens"], f"{r['mal']:.2f}",
         f"{r['hit']:.2f}" if spec else "-", f"{r['fpt']:.3f}",
         f"{r['draft_ms']:.2f}" if spec else "-",
-        f"{r['ahead_ms']:.2f} / {r['ahead_hit']:.2f}" if r["mode"].endswith("+ahead") else "-",
+        f"{r['ahead_ms']:.2f} / {r['ahead_hit']:.2f}" if "+ahead" in r["mode"] else "-",
         f"{r['device_ms']:.2f}", f"{r['same']}/{p['same']}",
         f"{r['decode_tps']:.1f}", f"{r['decode_tps'] / p['decode_tps']:.2f}x",
         f"{r['total_tps']:.1f}", f"{r['total_tps'] / p['total_tps']:.2f}x"])
   headers = ["T", "epoch", "drafts", "tokens", "accepted len/verify", "hit rate", "fwd/token",
-             "draft ms/step", "ahead ms/step / hit", "device ms/step", "same tokens", "decode tok/s", "vs plain", "rollout tok/s",
+             "draft ms/step", "ahead ms/step / hit", "device ms/step", "same tokens",
+             "decode tok/s", "vs plain", "rollout tok/s",
              "vs plain"]
   table = common.markdown_table(headers, table_rows)
   print(table)
@@ -334,8 +337,9 @@ def main(argv=None):
       f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
       f"history = the previous epoch's plain responses",
       "draft ms/step = host drafting on the critical path (device idle); ahead ms/step = "
-      "drafting in a background thread while the device verifies (+ahead rows), hit = share of "
-      "drafts taken from those trees; device ms/step = dispatch to outputs on the host",
+      "drafting in a background thread while the device verifies (+ahead / +ahead_only rows), "
+      "hit = share of queries whose emitted tokens stayed inside their tree drafted ahead; "
+      "device ms/step = dispatch to outputs on the host",
       "decode tok/s = tokens / (critical-path drafting + device step time + waiting for the "
       "background drafts), prefill excluded; rollout "
       "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's; "

@@ -24,6 +24,7 @@ from typing import Sequence
 from absl import flags
 
 SPECS = ("histospec", "none")
+DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.engine.DRAFT_MODES
 TASKS = ("arithmetic", "gsm8k")
 DTYPES = ("float32", "bfloat16")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -57,7 +58,7 @@ class RolloutOptions:
   spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
   draft_budget: int  # largest draft tree verified per step (tokens)
   spec_max_live: int  # speculate only while at most this many requests are live
-  overlap_drafting: bool  # draft the next step on the host while the device verifies this one
+  draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
 
 
@@ -152,8 +153,11 @@ _FLAGS = {
         ("spec_max_live", 32, "Speculate only while at most this many requests are live "
          "(verifying trees costs compute; large batches are compute bound, so speculation pays "
          "in the tail of a rollout, and on CPUs only at small batch)."),
-        ("overlap_drafting", True, "Draft the next step in a background thread while the "
-         "device verifies the current one (drafts never change what is sampled)."),
+        ("draft_mode", "ahead", "Where host drafting runs: 'sync' (before each step, the "
+         "device waits), 'ahead' (in a background thread while the device verifies the previous "
+         "step; synchronously only where the emitted tokens left that tree) or 'ahead_only' "
+         "(never on the critical path; no draft that step instead). Drafts never change what "
+         "is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
     ],
     RLOptions: [
@@ -288,6 +292,7 @@ def validate(c: Config) -> None:
   _one_of("spec", r.spec, SPECS)
   _at_least("draft_budget", r.draft_budget, 1)
   _at_least("spec_max_live", r.spec_max_live, 1)
+  _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
 
   _at_least("group_size", rl.group_size, 2)

@@ -95,3 +95,9 @@ def test_request_ids_fit_int32():
   assert ids_per_step(c) == 4 * c.rl.samples_per_step
   with pytest.raises(ConfigError, match="--num_steps=1000000000"):
     parse_flags(["--run_dir=r", "--num_steps=1000000000"])
+
+
+def test_draft_modes_match_the_engine():
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.rollout import engine
+  assert config_lib.DRAFT_MODES == engine.DRAFT_MODES

@@ -213,6 +213,7 @@ class HistoryDrafter:
       if q.ahead is not None:  # drafted ahead (best-first order): its first `budget` nodes
         tree = q.ahead.padded(budget).padded(q.budget)
         self.stats["ahead_used"] += 1
+        self.stats["ahead_tokens"] += tree.size
       else:
         tree = self._draft(q, budget)
       req.last_depth = tree_depth(tree)

@@ -68,8 +68,10 @@ def match_sources(index: SuffixIndex, context: Sequence[int], *, min_len: int = 
   return out
 
 
-def _mixture(sources: Sequence[Source]) -> dict[int, list[tuple[float, Source]]]:
-  """{token: [(probability share, child source)]} of the weighted mixture over sources."""
+def _mixture(sources: Sequence[Source], min_share: float = 0.0
+             ) -> dict[int, tuple[float, list[Source]]]:
+  """{token: (probability, child sources)} of the weighted mixture over sources, for tokens of
+  probability >= min_share (child nodes are looked up only for those)."""
   per_src = []
   total_w = 0.0
   for s in sources:
@@ -78,12 +80,21 @@ def _mixture(sources: Sequence[Source]) -> dict[int, list[tuple[float, Source]]]
     if tot:
       per_src.append((s, cont, tot))
       total_w += s.weight
-  out: dict[int, list[tuple[float, Source]]] = {}
+  probs: dict[int, float] = {}
   for s, cont, tot in per_src:
+    f = s.weight / (tot * total_w)
     for tok, c in cont.items():
-      share = s.weight * c / tot
-      child = s.index.child(s.node, tok)
-      out.setdefault(tok, []).append((share / total_w, Source(s.index, child, share)))
+      probs[tok] = probs.get(tok, 0.0) + c * f
+  out: dict[int, tuple[float, list[Source]]] = {}
+  for tok, p in probs.items():
+    if p < min_share:
+      continue
+    children = []
+    for s, cont, tot in per_src:
+      c = cont.get(tok)
+      if c:
+        children.append(Source(s.index, s.index.child(s.node, tok), s.weight * c / tot))
+    out[tok] = (p, children)
   return out
 
 
@@ -106,10 +117,10 @@ def build_tree(sources: Sequence[Source], budget: int, *, min_prob: float = 0.1,
     nonlocal counter
     if max_depth is not None and depth >= max_depth:
       return
-    for tok, parts in _mixture(srcs).items():
-      p = prob * sum(share for share, _ in parts)
-      if p >= min_prob:
-        heapq.heappush(heap, (-p, counter, tok, parent, depth + 1, [c for _, c in parts]))
+    for tok, (share, children) in _mixture(srcs, min_prob / prob).items():
+      p = prob * share
+      if p >= min_prob:  # (re-checked: the division above can round either way)
+        heapq.heappush(heap, (-p, counter, tok, parent, depth + 1, children))
         counter += 1
 
   if budget > 0:

@@ -55,6 +55,9 @@ class RequestResult:
   finish_time: float = 0.0  # seconds since the start of the rollout
 
 
+DRAFT_MODES = ("sync", "ahead", "ahead_only")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static shapes and policies. `max_len` bounds prompt + response tokens per request."""
@@ -68,11 +71,15 @@ class EngineConfig:
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
-  # Draft the next step on the host while the device verifies this one: the drafter's
-  # `lookahead` runs in a background thread on this step's contexts with a larger budget, and
-  # next step each request gets the part of that tree continuing what it emitted (see
-  # `DraftSource`). Drafters without `lookahead` are unaffected.
-  overlap_drafting: bool = False
+  # Where host drafting runs (drafters without `lookahead` always draft synchronously):
+  # - "sync": before each step, on the critical path (the device waits);
+  # - "ahead": the drafter's `lookahead` runs in a background thread on this step's contexts
+  #   with a larger budget while the device verifies; next step each request gets the part of
+  #   that tree continuing what it emitted (`DraftQuery.ahead`), and drafts synchronously only
+  #   where the emitted tokens left the tree;
+  # - "ahead_only": as "ahead", but never on the critical path: a request whose tokens left
+  #   the tree gets no draft that step (its tree for the next step is drafted meanwhile).
+  draft_mode: str = "sync"
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
@@ -83,6 +90,8 @@ class EngineConfig:
       raise ValueError(f"max_len={self.max_len}: must be >= 2")
     if self.prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
+    if self.draft_mode not in DRAFT_MODES:
+      raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
 
   @property
   def cache_len(self) -> int:
@@ -95,6 +104,7 @@ class EngineStats:
 
   steps: int = 0  # verify steps (target forward passes of the decode phase)
   prefill_chunks: int = 0
+  prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
   tokens: int = 0  # response tokens emitted
   useful_slot_steps: int = 0
   slot_steps: int = 0
@@ -170,10 +180,26 @@ def _counted(kind, fn):
   return wrapped
 
 
-_verify_jit = jax.jit(_counted("step", step.verify_step), static_argnums=(0,),
-                      static_argnames=("filters",), donate_argnums=(2,))
-_prefill_jit = jax.jit(_counted("prefill", step.prefill_chunk), static_argnums=(0,),
-                       donate_argnums=(2,))
+@functools.lru_cache(maxsize=16)
+def _model_fns(graphdef, treedef):
+  """Verify and prefill jitted for one model structure, taking the params as a flat list.
+
+  Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
+  State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
+  Engines over the same structure share these functions and their compilations.
+  """
+  def verify(leaves, state, trees, seed, *, filters):
+    return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
+                            filters=filters)
+
+  def prefill(leaves, cache, slot, chunk, start):
+    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
+                              chunk, start)
+
+  return (jax.jit(_counted("step", verify), static_argnames=("filters",), donate_argnums=(1,)),
+          jax.jit(_counted("prefill", prefill), donate_argnums=(1,)))
+
+
 _load_jit = jax.jit(_counted("load", step.load_slots), donate_argnums=(0,))
 _regroup_jit = jax.jit(_counted("regroup", step.regroup))
 
@@ -185,9 +211,11 @@ class RolloutEngine:
     self.config = config
     self.model_config = model.cfg
     self.graphdef, self.params = nnx.split(model)
+    self._leaves, treedef = jax.tree.flatten(self.params)
+    self._verify_fn, self._prefill_fn = _model_fns(self.graphdef, treedef)
     self.drafter = drafter
     self.stats = EngineStats()
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for overlap_drafting
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
 
   def _new_state(self, bucket: int) -> step.DecodeState:
     """A fresh state; on the params' mesh (replicated) when they have one, so the first step
@@ -219,7 +247,7 @@ class RolloutEngine:
       for _ in range(2):
         for budget in self.config.budgets:
           trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
-          state, _ = _verify_jit(self.graphdef, self.params, state, trees, seed, filters=filters)
+          state, _ = self._verify_fn(self._leaves, state, trees, seed, filters=filters)
         state = self._admit(state, dummy)
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
@@ -230,6 +258,12 @@ class RolloutEngine:
       _, self.params = nnx.split(model_or_params)
     else:
       self.params = model_or_params
+    self._leaves = jax.tree.leaves(self.params)
+
+  def verify(self, state: step.DecodeState, trees: accept.TreeBatch, filters: bool = False):
+    """One jitted verify step (`step.verify_step`) with this engine's params."""
+    return self._verify_fn(self._leaves, state, trees, jnp.uint32(self.config.seed),
+                           filters=filters)
 
   # ---- policies --------------------------------------------------------------------------------
 
@@ -288,6 +322,7 @@ class RolloutEngine:
     slot's root. Slot parameters are set for all admitted requests in one call."""
     if not admits:
       return state
+    t0 = time.perf_counter()
     c = self.config.prefill_chunk
     cache = state.cache
     b = state.batch
@@ -301,15 +336,17 @@ class RolloutEngine:
         chunk = np.zeros(c, np.int32)
         piece = body[start:start + c]
         chunk[:len(piece)] = piece
-        cache = _prefill_jit(self.graphdef, self.params, cache, jnp.int32(slot),
+        cache = self._prefill_fn(self._leaves, cache, jnp.int32(slot),
                              jnp.asarray(chunk), jnp.int32(start))
         self.stats.prefill_chunks += 1
       p = req.params
       new[slot] = True
       length[slot], root[slot], request[slot] = len(body), prompt[-1], req.request_id
       temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
-    return _load_jit(state.replace(cache=cache), new, length, root, request, temperature, top_p,
-                     top_k)
+    state = _load_jit(state.replace(cache=cache), new, length, root, request, temperature,
+                      top_p, top_k)
+    self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
+    return state
 
   def _query(self, lv: _Live, budget: int) -> DraftQuery:
     """What the drafter sees of a live request, with the continuation of its tree drafted
@@ -366,7 +403,8 @@ class RolloutEngine:
     state = self._new_state(bucket)
     slots: list[_Live | None] = [None] * bucket
     seed = jnp.uint32(self.config.seed)
-    overlap = self.config.overlap_drafting and hasattr(self.drafter, "lookahead")
+    overlap = self.config.draft_mode != "sync" and hasattr(self.drafter, "lookahead")
+    ahead_only = overlap and self.config.draft_mode == "ahead_only"
     if overlap and self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
     pool = self._pool
@@ -388,11 +426,17 @@ class RolloutEngine:
       budget = self.budget_for(len(live_idx))
       td = time.perf_counter()
       trees = [DraftTree.empty(budget)] * bucket
-      queries = []
+      queries, wide = [], []
       if budget > 0:
         for i in live_idx:
-          queries.append(self._query(slots[i], budget))
-          stats.ahead_hits += queries[-1].ahead is not None
+          q = self._query(slots[i], budget)
+          stats.ahead_hits += q.ahead is not None
+          if overlap:  # what to draft ahead from this step's context (the emitted tokens
+            # are unknown yet: a tree spanning this step's draft, its bonus and the next draft)
+            wide.append(dataclasses.replace(q, budget=2 * q.budget + 1, ahead=None))
+          if ahead_only and q.ahead is None:  # nothing drafted ahead fits: no draft this step
+            q = dataclasses.replace(q, budget=0)
+          queries.append(q)
         for i, tree in zip(live_idx, self.drafter.propose(queries)):
           trees[i] = tree
         budget, trees = self._fit_budget(budget, trees)
@@ -400,11 +444,9 @@ class RolloutEngine:
       stats.draft_time_s += time.perf_counter() - td
 
       tdev = time.perf_counter()
-      state, out = _verify_jit(self.graphdef, self.params, state, tree_batch, seed,
-                               filters=filters)
+      state, out = self._verify_fn(self._leaves, state, tree_batch, seed, filters=filters)
       ahead = None
-      if queries and overlap:  # drafts for the next step while the device runs this one
-        wide = [dataclasses.replace(q, budget=2 * q.budget + 1, ahead=None) for q in queries]
+      if wide:  # drafts for the next step while the device runs this one
         ahead = pool.submit(_timed, self.drafter.lookahead, wide)
       tokens_BxN, logp_BxN, num_B = jax.device_get(
           (out.tokens_BxN, out.logprobs_BxN, out.num_emitted_B))

@@ -27,12 +27,12 @@ def model():
   return init_model(cfg, seed=1)
 
 
-def engine(model, drafter, eos=(EOS,), budget=BUDGET, overlap=False):
+def engine(model, drafter, eos=(EOS,), budget=BUDGET, draft_mode="sync"):
   """Every step verifies a tree of `budget` tokens (empty for NoDrafts): one step shape for
   plain and speculative runs, so their tokens must be bit-identical."""
   cfg = EngineConfig(max_len=96, buckets=(8, 4, 2, 1), budgets=(budget,),
                      budget_by_batch=((1 << 30, budget),), eos_ids=eos, seed=7,
-                     overlap_drafting=overlap)
+                     draft_mode=draft_mode)
   return RolloutEngine(model, cfg, drafter)
 
 
@@ -159,11 +159,11 @@ def test_sibling_drafts_never_change_a_group(model, temperature):
   params = SamplingParams(temperature=temperature, max_new_tokens=48)
   reqs = group_requests(prompts(2, seed=4), 8, params)
   plain = engine(model, NoDrafts()).generate(reqs)
-  for overlap in (False, True):
+  for mode in ("sync", "ahead", "ahead_only"):
     drafter = HistoryDrafter(None, use_history=False, use_siblings=True, max_budget=BUDGET)
-    eng = engine(model, drafter, overlap=overlap)
+    eng = engine(model, drafter, draft_mode=mode)
     spec = eng.generate(reqs)
-    assert_same_tokens(plain, spec, f"siblings, T={temperature}, overlap={overlap}")
+    assert_same_tokens(plain, spec, f"siblings, T={temperature}, draft_mode={mode}")
     assert eng.stats.drafted > 0
     assert drafter.live_groups <= 2
 
@@ -193,10 +193,10 @@ def test_history_and_siblings_keep_tokens_under_perturbed_weights(model):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6])
 def test_drafting_ahead_overlaps_the_device_and_changes_no_token(model, temperature):
-  """`overlap_drafting`: drafts come from trees drafted in a background thread during the
-  previous step. Replaying history (greedy, same weights) nearly every step takes its draft
-  from there (hits), and at any temperature the tokens equal plain decoding; nothing compiles
-  beyond the non-overlapped run's shapes."""
+  """draft_mode 'ahead' / 'ahead_only': drafts come from trees drafted in a background thread
+  during the previous step. Replaying history (greedy, same weights) nearly every step takes its
+  draft from there (hits); 'ahead_only' never drafts on the critical path. At any temperature
+  the tokens equal plain decoding, and nothing compiles beyond the synchronous run's shapes."""
   from rhyme_jax.rollout.engine import TRACE_COUNTS
   params = SamplingParams(temperature=temperature, max_new_tokens=64)
   reqs = group_requests(prompts(4, seed=8), 2, params)
@@ -205,18 +205,23 @@ def test_drafting_ahead_overlaps_the_device_and_changes_no_token(model, temperat
       [dataclasses.replace(r, params=SamplingParams(temperature=0.0, max_new_tokens=64))
        for r in reqs])
   runs = {}
-  for overlap in (False, True):
+  for mode in ("sync", "ahead", "ahead_only"):
     drafter = HistoryDrafter(HistoryStore(), start_budget=2, max_budget=BUDGET)
     record(drafter, reqs, history)
-    eng = engine(model, drafter, eos=(), overlap=overlap)
+    eng = engine(model, drafter, eos=(), draft_mode=mode)
     eng.warmup()
     traces = dict(TRACE_COUNTS)
-    runs[overlap] = (eng.generate(reqs), eng.stats, drafter.stats)
+    runs[mode] = (eng.generate(reqs), eng.stats, drafter.stats)
     assert dict(TRACE_COUNTS) == traces, "a rollout compiled"
-    assert_same_tokens(plain, runs[overlap][0], f"overlap={overlap}, T={temperature}")
-  stats, dstats = runs[True][1], runs[True][2]
-  assert stats.lookahead_time_s > 0 and dstats["lookahead_queries"] > 0
-  assert dstats["ahead_used"] == stats.ahead_hits
-  if temperature == 0.0:  # the replayed history: almost every draft was prepared ahead
-    assert stats.ahead_hits >= 0.8 * (stats.ahead_hits + stats.ahead_misses)
-    assert stats.mean_accepted_length >= 0.75 * runs[False][1].mean_accepted_length
+    assert_same_tokens(plain, runs[mode][0], f"draft_mode={mode}, T={temperature}")
+  assert runs["sync"][1].lookahead_time_s == 0 and runs["sync"][1].ahead_hits == 0
+  for mode in ("ahead", "ahead_only"):
+    stats, dstats = runs[mode][1], runs[mode][2]
+    assert stats.lookahead_time_s > 0 and dstats["lookahead_queries"] > 0
+    assert dstats["ahead_used"] == stats.ahead_hits
+    if temperature == 0.0:  # the replayed history: almost every draft was prepared ahead
+      assert stats.ahead_hits >= 0.8 * (stats.ahead_hits + stats.ahead_misses)
+      assert stats.mean_accepted_length >= 0.75 * runs["sync"][1].mean_accepted_length
+  # 'ahead_only' drafts synchronously for nobody: every non-empty draft came from ahead.
+  only = runs["ahead_only"][2]
+  assert only["draft_tokens"] == only["ahead_tokens"]

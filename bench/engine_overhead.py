@@ -1,0 +1,141 @@
+"""Where a rollout step's time goes: the bare jitted verify step vs the engine's whole step.
+
+For each (bucket B, budget T): B requests decode `--new_tokens` tokens each (EOS off) through
+`RolloutEngine.generate` with empty drafts (plain decoding through a T-token verify shape), and
+the same verify step is timed bare, looping on its own state:
+
+- bare sync: one call + `block_until_ready` per step (what a step costs when the host waits);
+- bare async: `--reps` calls dispatched back to back, one wait (the device's own time per step);
+- engine: the generate loop's time per decode step (prefill excluded), split into host work
+  before dispatch (drafting, packing), dispatch-to-outputs, and the rest of the host loop.
+
+The gap between engine and bare-async is host time the device sits idle for: what overlapping
+host work with the device can win, and what a step costs beyond the model. Random weights with
+SmolLM2-135M's shapes by default (timing does not depend on the values).
+
+  python bench/engine_overhead.py --buckets 1,8 --budgets 0,8 --new_tokens 32   # CPU
+  python bench/engine_overhead.py --buckets 1,8,64 --budgets 0,16 --dtype bfloat16  # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+from bench.forward import SMOLLM2_135M  # noqa: E402
+from rhyme_jax.models.transformer import init_model  # noqa: E402
+from rhyme_jax.rollout import accept  # noqa: E402
+from rhyme_jax.rollout.drafts import DraftTree, NoDrafts  # noqa: E402
+from rhyme_jax.rollout.engine import (  # noqa: E402
+    EngineConfig, Request, RolloutEngine)
+from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--buckets", default="1,8,64")
+  p.add_argument("--budgets", default="0,16")
+  p.add_argument("--new_tokens", type=int, default=64, help="tokens per request")
+  p.add_argument("--prompt_len", type=int, default=96)
+  p.add_argument("--reps", type=int, default=20, help="bare steps timed per measurement")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="default float32 on cpu, else bfloat16")
+  p.add_argument("--profile", action="store_true",
+                 help="print the top host functions of the largest engine run (cProfile)")
+  p.add_argument("--no_append", action="store_true")
+  args = p.parse_args(argv)
+  args.buckets = tuple(int(x) for x in args.buckets.split(","))
+  args.budgets = tuple(int(x) for x in args.budgets.split(","))
+  return args
+
+
+def bare_times(engine, bucket, budget, reps):
+  """(sync ms, async ms) per verify step on one state (empty trees, as the engine runs them)."""
+  state = engine._admit(engine._new_state(bucket),
+                        [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
+                         for i in range(bucket)])
+  trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
+  step = lambda s: engine.verify(s, trees)
+  for _ in range(3):
+    state, out = step(state)
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    state, out = step(state)
+    jax.device_get(out.num_emitted_B)
+  sync = (time.perf_counter() - t0) / reps
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    state, out = step(state)
+  jax.block_until_ready((state, out))
+  return 1e3 * sync, 1e3 * (time.perf_counter() - t0) / reps
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+  cfg = SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype)
+  model = init_model(cfg, 0)
+  print(f"[overhead] {common.device_description()}; SmolLM2-135M shapes, random weights, "
+        f"{dtype}", flush=True)
+  rng = np.random.default_rng(0)
+  rows, profile_text = [], ""
+  for budget in args.budgets:
+    ecfg = EngineConfig(max_len=args.prompt_len + args.new_tokens, buckets=args.buckets,
+                        budgets=(budget,), budget_by_batch=((1 << 30, budget),), eos_ids=())
+    engine = RolloutEngine(model, ecfg, NoDrafts())
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f"[overhead] budget {budget}: warm-up {time.perf_counter() - t0:.1f}s", flush=True)
+    for bucket in args.buckets:
+      sync_ms, async_ms = bare_times(engine, bucket, budget, args.reps)
+      reqs = [Request(i, rng.integers(10, cfg.vocab_size, args.prompt_len).tolist(),
+                      SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens))
+              for i in range(bucket)]
+      prof = cProfile.Profile() if args.profile and bucket == max(args.buckets) else None
+      if prof:
+        prof.enable()
+      engine.generate(reqs)
+      if prof:
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+        profile_text += f"\n--- B={bucket}, budget {budget} ---\n" + s.getvalue()
+      st = engine.stats
+      n = max(st.steps, 1)
+      step_ms = 1e3 * (st.total_time_s - st.prefill_time_s) / n
+      draft_ms, device_ms = 1e3 * st.draft_time_s / n, 1e3 * st.device_time_s / n
+      rows.append([bucket, budget, f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{step_ms:.2f}",
+                   f"{draft_ms:.2f}", f"{device_ms:.2f}", f"{step_ms - draft_ms - device_ms:.2f}",
+                   f"{step_ms / async_ms:.2f}x"])
+      print(f"[overhead] B={bucket} T={budget}: bare {async_ms:.2f} ms (sync {sync_ms:.2f}), "
+            f"engine {step_ms:.2f} ms/step", flush=True)
+  headers = ["batch", "budget", "bare ms/step (async)", "bare ms/step (sync)",
+             "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
+             "engine / bare"]
+  table = common.markdown_table(headers, rows)
+  print(table)
+  if profile_text:
+    print(profile_text)
+  if not args.no_append:
+    common.append_results("Engine step vs bare verify step (bench/engine_overhead.py)", table, [
+        f"SmolLM2-135M shapes, random weights, {dtype}; prompt {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens per request, EOS off, empty drafts (plain decoding "
+        f"through the budget's verify shape), T=1.0",
+        "bare async = device time per step (calls queued back to back); bare sync = one call "
+        "and a wait per step; engine = generate's time per decode step (prefill excluded): "
+        "host work before the dispatch + dispatch-to-outputs + host work after the outputs"])
+
+
+if __name__ == "__main__":
+  main()
