@@ -153,11 +153,12 @@ _FLAGS = {
         ("spec_max_live", 32, "Speculate only while at most this many requests are live "
          "(verifying trees costs compute; large batches are compute bound, so speculation pays "
          "in the tail of a rollout, and on CPUs only at small batch)."),
-        ("draft_mode", "ahead", "Where host drafting runs: 'sync' (before each step, the "
+        ("draft_mode", "sync", "Where host drafting runs: 'sync' (before each step, the "
          "device waits), 'ahead' (in a background thread while the device verifies the previous "
          "step; synchronously only where the emitted tokens left that tree) or 'ahead_only' "
-         "(never on the critical path; no draft that step instead). Drafts never change what "
-         "is sampled."),
+         "(never on the critical path; no draft that step instead). 'ahead' pays when most "
+         "drafts are right; at the acceptance fresh-seed RL rollouts showed it did not "
+         "(bench/RESULTS.md). Drafts never change what is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
     ],
     RLOptions: [

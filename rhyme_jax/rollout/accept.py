@@ -30,32 +30,35 @@ class TreeBatch(NamedTuple):
 
 
 def pack_trees(trees: Sequence[DraftTree], budget: int) -> TreeBatch:
-  """Pads trees to `budget` and builds parents in node numbering, depths and ancestor masks."""
+  """Pads trees to `budget` and builds parents in node numbering, depths and ancestor masks.
+
+  A node below an invalid node is dropped (invalid). Vectorised over the batch, one pass over
+  node positions: it runs before every step, on the critical path.
+  """
   b, n = len(trees), budget + 1
-  tokens = np.zeros((b, budget), np.int32)
-  parents = np.zeros((b, budget), np.int32)
-  valid = np.zeros((b, budget), bool)
-  depth = np.ones((b, budget), np.int32)
   mask = np.zeros((b, n, n), bool)
   mask[:, :, 0] = True
   idx = np.arange(n)
   mask[:, idx, idx] = True
-  for row, tree in enumerate(trees):
-    if budget == 0:
-      continue
-    t = tree if len(tree.tokens) == budget else tree.padded(budget)
-    tokens[row] = t.tokens
-    valid[row] = t.valid
-    for j in range(budget):
-      if not t.valid[j]:
-        continue
-      p = int(t.parents[j])
-      if p >= 0 and not t.valid[p]:  # orphan of an invalid node: drop it
-        valid[row, j] = False
-        continue
-      parents[row, j] = p + 1
-      depth[row, j] = 1 if p < 0 else depth[row, p] + 1
-      mask[row, j + 1] |= mask[row, p + 1]
+  parents = np.zeros((b, budget), np.int32)
+  depth = np.ones((b, budget), np.int32)
+  if budget == 0 or b == 0:
+    return TreeBatch(np.zeros((b, budget), np.int32), parents, np.zeros((b, budget), bool),
+                     depth, mask)
+  padded = [t if len(t.tokens) == budget else t.padded(budget) for t in trees]
+  tokens = np.stack([t.tokens for t in padded]).astype(np.int32)
+  valid = np.stack([t.valid for t in padded]).astype(bool)
+  draft_parents = np.stack([t.parents for t in padded]).astype(np.int32)
+  rows = np.arange(b)
+  for j in range(budget):
+    p = draft_parents[:, j]
+    has_parent = p >= 0
+    at = np.maximum(p, 0)
+    valid[:, j] &= ~has_parent | valid[rows, at]  # orphans of invalid nodes are dropped
+    v = valid[:, j]
+    parents[:, j] = np.where(v, p + 1, 0)
+    depth[:, j] = np.where(v & has_parent, depth[rows, at] + 1, 1)
+    mask[v, j + 1] |= mask[rows[v], p[v] + 1]
   return TreeBatch(tokens, parents, valid, depth, mask)
 
 

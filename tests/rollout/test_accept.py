@@ -73,3 +73,42 @@ def test_truncated_tree_drops_orphans():
 def test_from_nodes_rejects_forward_parent():
   with pytest.raises(ValueError, match="parent 3"):
     DraftTree.from_nodes([(1, -1), (2, 3)], budget=4)
+
+
+def _pack_one_reference(tree, budget):
+  """Node-by-node construction of one row of pack_trees (the definition)."""
+  n = budget + 1
+  t = tree.padded(budget)
+  valid = t.valid.copy()
+  parents, depth = np.zeros(budget, np.int32), np.ones(budget, np.int32)
+  mask = np.zeros((n, n), bool)
+  mask[:, 0] = True
+  mask[np.arange(n), np.arange(n)] = True
+  for j in range(budget):
+    p = int(t.parents[j])
+    if not valid[j] or (p >= 0 and not valid[p]):
+      valid[j] = False
+      continue
+    parents[j] = p + 1
+    depth[j] = 1 if p < 0 else depth[p] + 1
+    mask[j + 1] |= mask[p + 1]
+  return t.tokens, parents, valid, depth, mask
+
+
+def test_pack_trees_matches_the_node_by_node_definition():
+  rng = np.random.default_rng(0)
+  for budget in (1, 3, 8):
+    trees = []
+    for _ in range(12):
+      size = int(rng.integers(0, budget + 1))
+      nodes = [(int(rng.integers(50)), int(rng.integers(-1, i))) for i in range(size)]
+      tree = DraftTree.from_nodes(nodes, int(rng.integers(budget // 2, budget + 2)))
+      tree.valid[rng.random(len(tree.valid)) < 0.15] = False  # orphans below these
+      trees.append(tree)
+    batch = accept.pack_trees(trees, budget)
+    for row, tree in enumerate(trees):
+      want = _pack_one_reference(tree, budget)
+      got = (batch.tokens_BxT[row], batch.parents_BxT[row], batch.valid_BxT[row],
+             batch.depth_BxT[row], batch.mask_BxNxN[row])
+      for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
