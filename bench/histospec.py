@@ -26,9 +26,9 @@ bits, so a near-tie can flip a token), decode tokens/s (tokens / (drafting + dev
 prefill excluded) and the whole rollout's tokens/s, each with its ratio to plain. Step
 functions are compiled by `engine.warmup()` before anything is timed.
 
-  python bench/histospec.py                                   # CPU defaults (~12 min, 2 cores)
-  python bench/histospec.py --num_prompts 64 --group_size 8 --max_new_tokens 256 \\
-      --buckets 128,64,32,16,8,4,2,1 --budget 16 --dtype bfloat16            # a GPU
+  python bench/histospec.py                                # CPU defaults: 2 prompts x G=4
+  python bench/histospec.py --num_prompts 8 --group_size 8 --max_new_tokens 192 \\
+      --buckets 64,32,16,8,4,2,1 --budget 16 --dtype bfloat16     # H100: ~9 min (RESULTS.md)
 """
 
 from __future__ import annotations

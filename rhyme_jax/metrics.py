@@ -13,6 +13,8 @@ match a panel's prefix):
   response_length/*            response lengths (tokens)
   rollout/mean_accepted_length mean accepted length per verify step
   time/rollout, time/reward, time/logprob, time/train   step-time split (s)
+Also logged: time/draft_ms_per_step and time/lookahead_ms_per_step (host drafting per decode
+step, on the critical path and in the background), rollout/ahead_hit_rate.
 
 `Progress` prints `step 12/100 | reward/mean 0.412 | 3.21 s/step | ETA 4m42s`,
 redrawn in place on a terminal and one line per step otherwise (log files).

@@ -516,8 +516,8 @@ class Trainer:
     m["rollout/mean_accepted_length"] = stats["tokens"] / max(stats["useful_slot_steps"], 1)
     m["rollout/forwards_per_token"] = stats["steps"] / max(stats["tokens"], 1)
     # Host drafting per decode step: on the critical path, and in the background (overlapped).
-    m["rollout/draft_ms_per_step"] = 1e3 * stats["draft_time_s"] / max(stats["steps"], 1)
-    m["rollout/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
+    m["time/draft_ms_per_step"] = 1e3 * stats["draft_time_s"] / max(stats["steps"], 1)
+    m["time/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
     m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
         stats["ahead_hits"] + stats["ahead_misses"], 1)
     m["time/rollout"] = stats["time/rollout"]
