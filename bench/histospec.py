@@ -86,6 +86,11 @@ def parse_args(argv=None):
                  help="between epochs: GRPO updates on the epoch's samples, or weight noise")
   p.add_argument("--grpo_steps", type=int, default=1, help="GRPO updates between epochs")
   p.add_argument("--learning_rate", type=float, default=3e-5, help="GRPO learning rate")
+  p.add_argument("--reward", default="gsm8k+0.5*format",
+                 help="GRPO reward (a registered name or weighted sum); the format bonus gives "
+                      "a 135M model a signal where exact answers are rare; a soft overlong "
+                      "penalty over the last quarter of --max_new_tokens is added (all-equal "
+                      "rewards give zero advantages: no policy change)")
   p.add_argument("--noise", type=float, default=1e-3,
                  help="--policy_change=noise: Gaussian noise, this times each tensor's RMS")
   p.add_argument("--modes", default=",".join(MODES), help=f"drafters to run, from {MODES}")
@@ -148,10 +153,12 @@ def gsm8k_prompts(tok, num, offset):
 def make_trainer(args, dtype, temperature, run_dir):
   """The real GRPO trainer (gsm8k reward, no speculation of its own) for policy updates."""
   return Trainer(parse_flags([
-      f"--model={args.model}", "--task=gsm8k", f"--param_dtype={dtype}",
+      f"--model={args.model}", "--task=gsm8k", f"--reward={args.reward}",
+      f"--param_dtype={dtype}",
       f"--group_size={args.group_size}", f"--prompts_per_step={args.num_prompts}",
       f"--learning_rate={args.learning_rate}", f"--temperature={temperature}",
       f"--max_new_tokens={args.max_new_tokens}", "--max_prompt_len=512", "--spec=none",
+      f"--overlong_buffer={max(1, args.max_new_tokens // 4)}",
       "--eval_every=0", f"--seed={args.seed}", f"--run_dir={run_dir}"]))
 
 
@@ -163,12 +170,17 @@ def grpo_update(trainer, examples, prompt_ids, reqs, results, epoch, steps):
     prompt = Prompt(ex, "", np.asarray(ids, np.int32), prompt_key(ids), epoch)
     group = [Sample(prompt, r.tokens, r.logprobs, r.finish_reason)
              for r in results[i * g:(i + 1) * g]]
-    for sample in group:
-      trainer.score(sample)
+    trainer.score_group(group)
     groups.append(group)
-  mets = [trainer.train_on(groups) for _ in range(steps)]
-  reward = float(np.mean([s.reward for grp in groups for s in grp]))
-  return nnx.merge(trainer.graphdef, trainer.params), dict(reward=reward, kl=mets[-1]["kl"])
+  before = jax.tree.map(jnp.copy, trainer.params)  # the update donates the params
+  for _ in range(steps):
+    trainer.train_on(groups)
+  sq = lambda tree: sum(float(jnp.sum(jnp.square(x.astype(jnp.float32))))
+                        for x in jax.tree.leaves(tree))
+  moved = np.sqrt(sq(jax.tree.map(lambda a, b: a - b, trainer.params, before)) / sq(before))
+  rewards = np.array([s.reward for grp in groups for s in grp])
+  return nnx.merge(trainer.graphdef, trainer.params), dict(
+      reward=float(rewards.mean()), reward_std=float(rewards.std()), moved=float(moved))
 
 
 def perturb(model, noise: float, key):
@@ -240,6 +252,7 @@ def main(argv=None):
         f"{args.max_new_tokens}, budget {args.budget}, buckets {args.buckets}, {dtype}", flush=True)
   rows = []
   compiled_in_rollouts = []
+  policy_moves = []
   for temp in args.temperatures:
     params = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
     store = HistoryStore(epochs_kept=1)
@@ -294,8 +307,10 @@ def main(argv=None):
         model, m = grpo_update(trainer, examples, prompt_ids, reqs, plain_results, epoch,
                                args.grpo_steps)
         print(f"[histospec] T={temp} after epoch {epoch}: {args.grpo_steps} GRPO step(s), "
-              f"reward {m['reward']:.3f}, kl {m['kl']:.2e}, "
-              f"{time.perf_counter() - t0:.1f}s", flush=True)
+              f"reward {m['reward']:.3f} (std {m['reward_std']:.3f}), relative parameter "
+              f"change {m['moved']:.2e}, {time.perf_counter() - t0:.1f}s", flush=True)
+        policy_moves.append(f"T={temp} after epoch {epoch}: reward {m['reward']:.3f} "
+                            f"(std {m['reward_std']:.3f}), |dθ|/|θ| {m['moved']:.1e}")
     if dict(TRACE_COUNTS) != compiles_before:
       compiled_in_rollouts.append((temp, compiles_before, dict(TRACE_COUNTS)))
 
@@ -328,7 +343,9 @@ def main(argv=None):
       f"G={args.group_size}, max_new_tokens={args.max_new_tokens}, {args.epochs} epochs, no "
       f"top-p/top-k",
       (f"policy change between epochs: {args.grpo_steps} GRPO step(s) of the real trainer on "
-       f"the epoch's own samples (gsm8k reward, lr {args.learning_rate:g})"
+       f"the epoch's own samples (reward {args.reward} + soft overlong penalty over the last "
+       f"{max(1, args.max_new_tokens // 4)} tokens, lr {args.learning_rate:g}): "
+       + "; ".join(policy_moves)
        if args.policy_change == "grpo" else
        f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight "
        f"tensor"),

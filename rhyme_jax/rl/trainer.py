@@ -389,6 +389,17 @@ class Trainer:
     sample.reward = float(result.reward)
     sample.correct = accuracy_of(result.components)
 
+  def score_group(self, group: Sequence[Sample]) -> None:
+    """Rewards of one prompt's samples: each scored, plus the soft overlong penalty."""
+    for sample in group:
+      self.score(sample)
+    c = self.config
+    if c.rl.overlong_buffer:
+      pen = losses.overlong_penalty(np.array([len(x.tokens) for x in group]),
+                                    c.rollout.max_new_tokens, c.rl.overlong_buffer)
+      for x, v in zip(group, np.asarray(pen)):
+        x.reward += float(v)
+
   def rollout_round(self, round_idx: int, stats: dict) -> list[list[Sample]]:
     """Samples G responses for the next prompts; records each group in the history store."""
     c = self.config
@@ -413,14 +424,8 @@ class Trainer:
       for r in results[i * g:(i + 1) * g]:
         if r.finish_reason == "error":
           raise RuntimeError(f"rollout of example {p.example.uid} failed: {r.error}")
-        sample = Sample(p, r.tokens, r.logprobs, r.finish_reason)
-        self.score(sample)
-        group.append(sample)
-      if c.rl.overlong_buffer:
-        pen = losses.overlong_penalty(np.array([len(x.tokens) for x in group]),
-                                      c.rollout.max_new_tokens, c.rl.overlong_buffer)
-        for x, v in zip(group, np.asarray(pen)):
-          x.reward += float(v)
+        group.append(Sample(p, r.tokens, r.logprobs, r.finish_reason))
+      self.score_group(group)
       if self.drafter is not None:
         self.drafter.record_group(p.key, [x.tokens for x in group], [x.reward for x in group],
                                   epoch=p.epoch)
