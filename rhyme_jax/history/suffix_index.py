@@ -68,6 +68,9 @@ class SuffixIndex:
     self._next_seq_id = 0
     self.num_tokens = 0
     self.work = 0  # suffix-link steps taken while building: the build cost, counted exactly
+    # continuations() answers per state, valid until the next insertion (history indexes are built
+    # once and then only read, so drafting asks each of their states once).
+    self._children_memo: dict[int, tuple[dict[int, int], int]] = {}
 
   # --- building ---------------------------------------------------------------------------
 
@@ -84,7 +87,10 @@ class SuffixIndex:
     seq = self._seqs.get(seq_id)
     if seq is None:
       raise KeyError(f"SuffixIndex.extend: unknown sequence id {seq_id}")
-    for tok in np.asarray(tokens, np.int64).reshape(-1).tolist():
+    toks = np.asarray(tokens, np.int64).reshape(-1).tolist()
+    if toks and self._children_memo:
+      self._children_memo.clear()
+    for tok in toks:
       self._append(seq, tok)
 
   def _new_state(self, length: int, nxt: dict[int, int], link: int, cnt: int) -> int:
@@ -208,6 +214,19 @@ class SuffixIndex:
       return {}
     cnt = self._cnt
     return {tok: cnt[s] for tok, s in self._next[node.state].items()}
+
+  def continuations(self, node: Node) -> tuple[dict[int, int], int]:
+    """({token: count} for tokens >= 0 with count > 0, their total): `children` without
+    sentinels, memoised per state until the next insertion. The dict must not be modified."""
+    if node.length + 1 > self.max_depth:
+      return {}, 0
+    out = self._children_memo.get(node.state)
+    if out is None:
+      cnt = self._cnt
+      cont = {t: cnt[s] for t, s in self._next[node.state].items() if t >= 0 and cnt[s] > 0}
+      out = (cont, sum(cont.values()))
+      self._children_memo[node.state] = out
+    return out
 
   def child(self, node: Node, token: int) -> Node | None:
     """The node for the string followed by `token`, or None if that never occurs."""

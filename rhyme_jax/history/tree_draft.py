@@ -38,8 +38,8 @@ class Source:
 
 
 def _continuations(index: SuffixIndex, node: Node) -> dict[int, int]:
-  """Drafting continuations (negative tokens are sentinels, never drafted)."""
-  return {t: c for t, c in index.children(node).items() if t >= 0 and c > 0}
+  """Drafting continuations (negative tokens are sentinels, never drafted); read-only."""
+  return index.continuations(node)[0]
 
 
 def match_sources(index: SuffixIndex, context: Sequence[int], *, min_len: int = 2,
@@ -75,8 +75,7 @@ def _mixture(sources: Sequence[Source], min_share: float = 0.0
   per_src = []
   total_w = 0.0
   for s in sources:
-    cont = _continuations(s.index, s.node)
-    tot = sum(cont.values())
+    cont, tot = s.index.continuations(s.node)
     if tot:
       per_src.append((s, cont, tot))
       total_w += s.weight

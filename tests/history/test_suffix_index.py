@@ -73,6 +73,23 @@ def test_counts_equal_brute_force(schedule):
   assert index.num_states <= 2 * max(1, index.num_tokens) + 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(schedules, st.lists(st.integers(0, 5), min_size=1, max_size=6))
+def test_memoised_continuations_follow_extensions(schedule, more):
+  """`continuations` (memoised per state) equals the brute-force counts before and after the
+  index grows: an extension invalidates what was asked before."""
+  index, seqs, depth = run_schedule(schedule)
+  def check():
+    for s in substrings(seqs, depth - 1):
+      cont, total = index.continuations(index.match(s, len(s), 0))
+      want = {t: c for t, c in brute_children(seqs, s).items() if t >= 0 and c > 0}
+      assert cont == want and total == sum(want.values())
+  check()
+  index.extend(0, more)
+  seqs[0] = list(seqs[0]) + more
+  check()
+
+
 @settings(max_examples=100, deadline=None)
 @given(schedules)
 def test_interleaved_extension_equals_whole_sequences(schedule):
