@@ -50,6 +50,7 @@ def test_quickstart_is_small():
 
 @pytest.mark.parametrize("flag, message", [
     ("--spec=foo", "--spec=foo: expected one of histospec, none"),
+    ("--draft_mode=fast", "--draft_mode=fast: expected one of sync, ahead, ahead_only"),
     ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
     ("--group_size=1", "--group_size=1: expected an integer >= 2"),
     ("--temperature=0", "--temperature=0.0: expected a finite number > 0"),

@@ -206,9 +206,8 @@ class HistoryDrafter:
     out = []
     for q in queries:
       req = self._request(q.request_id, q.group_id)
-      response = np.asarray(q.response, np.int64).reshape(-1)
-      if self.use_siblings and req.indexed < len(response):  # tokens observe did not report
-        self._feed_sibling(q.request_id, req, response[req.indexed:])
+      if self.use_siblings and req.indexed < len(q.response):  # tokens observe did not report
+        self._feed_sibling(q.request_id, req, np.asarray(q.response[req.indexed:], np.int64))
       budget = max(min(req.budget, q.budget, self.max_budget), 0)
       if q.ahead is not None:  # drafted ahead (best-first order): its first `budget` nodes
         tree = q.ahead.padded(budget).padded(q.budget)

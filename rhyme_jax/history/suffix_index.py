@@ -70,7 +70,7 @@ class SuffixIndex:
     self.work = 0  # suffix-link steps taken while building: the build cost, counted exactly
     # continuations() answers per state, valid until the next insertion (history indexes are built
     # once and then only read, so drafting asks each of their states once).
-    self._children_memo: dict[int, tuple[dict[int, int], int]] = {}
+    self._continuations_memo: dict[int, tuple[dict[int, int], int]] = {}
 
   # --- building ---------------------------------------------------------------------------
 
@@ -88,8 +88,8 @@ class SuffixIndex:
     if seq is None:
       raise KeyError(f"SuffixIndex.extend: unknown sequence id {seq_id}")
     toks = np.asarray(tokens, np.int64).reshape(-1).tolist()
-    if toks and self._children_memo:
-      self._children_memo.clear()
+    if toks and self._continuations_memo:
+      self._continuations_memo.clear()
     for tok in toks:
       self._append(seq, tok)
 
@@ -220,12 +220,12 @@ class SuffixIndex:
     sentinels, memoised per state until the next insertion. The dict must not be modified."""
     if node.length + 1 > self.max_depth:
       return {}, 0
-    out = self._children_memo.get(node.state)
+    out = self._continuations_memo.get(node.state)
     if out is None:
       cnt = self._cnt
       cont = {t: cnt[s] for t, s in self._next[node.state].items() if t >= 0 and cnt[s] > 0}
       out = (cont, sum(cont.values()))
-      self._children_memo[node.state] = out
+      self._continuations_memo[node.state] = out
     return out
 
   def child(self, node: Node, token: int) -> Node | None:

@@ -37,11 +37,6 @@ class Source:
   weight: float
 
 
-def _continuations(index: SuffixIndex, node: Node) -> dict[int, int]:
-  """Drafting continuations (negative tokens are sentinels, never drafted); read-only."""
-  return index.continuations(node)[0]
-
-
 def match_sources(index: SuffixIndex, context: Sequence[int], *, min_len: int = 2,
                   max_len: int = 8, weight: float = 1.0, decay: float = 0.5,
                   max_sources: int = 4) -> list[Source]:
@@ -58,7 +53,7 @@ def match_sources(index: SuffixIndex, context: Sequence[int], *, min_len: int = 
   out: list[Source] = []
   w = float(weight)
   while node is not None and node.length >= min_len and len(out) < max_sources:
-    cont = _continuations(index, node)
+    cont, _ = index.continuations(node)  # (sentinel tokens < 0 are never drafted)
     if cont:
       out.append(Source(index, node, w))
       w *= decay

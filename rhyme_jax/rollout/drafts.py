@@ -120,7 +120,7 @@ class DraftSource(Protocol):
   was accepted (siblings' tokens feed grouped drafts, acceptance feeds adaptive budgets);
   `finish` when a request ends.
 
-  Optional, for drafting off the critical path (`EngineConfig.overlap_drafting`):
+  Optional, for drafting off the critical path (`EngineConfig.draft_mode`):
   `lookahead(queries) -> list[DraftTree]` drafts as `propose` would but changes no state the
   other calls read (e.g. adaptive budgets); the engine calls it in a background thread while the
   device verifies the current step, with the step's queries and a larger budget, and passes each

@@ -166,9 +166,9 @@ def _timed(fn, *args):
   return out, time.perf_counter() - t0
 
 
-# Compiled once per process and shape: jit's cache is keyed on the (hashable) graphdef, the
-# static flags and the argument shapes, so engines over the same model share compilations.
-# TRACE_COUNTS counts traces (= compilations) per function, for tests and logs.
+# Compiled once per process, model structure and shape (`_model_fns` below), so engines over
+# the same model share compilations. TRACE_COUNTS counts traces (= compilations) per function,
+# for tests and logs.
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
@@ -213,6 +213,7 @@ class RolloutEngine:
     self.graphdef, self.params = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(self.params)
     self._verify_fn, self._prefill_fn = _model_fns(self.graphdef, treedef)
+    self._seed = jnp.uint32(config.seed)
     self.drafter = drafter
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
@@ -222,7 +223,7 @@ class RolloutEngine:
     sees the placement every later step does (otherwise it would compile a second variant)."""
     state = step.DecodeState.empty(KVCache.zeros(self.model_config, bucket,
                                                  self.config.cache_len))
-    sharding = jax.tree.leaves(self.params)[0].sharding
+    sharding = self._leaves[0].sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
       state = jax.device_put(state, jax.sharding.NamedSharding(sharding.mesh,
                                                                jax.sharding.PartitionSpec()))
@@ -237,7 +238,6 @@ class RolloutEngine:
   def warmup(self, filters: bool = False) -> None:
     """Compiles every (bucket, budget) step, the prefill, slot loading and bucket moves up front,
     so a rollout never compiles."""
-    seed = jnp.uint32(self.config.seed)
     buckets = sorted(self.config.buckets, reverse=True)
     dummy = [(0, Request(-1, [0, 0], SamplingParams()))]
     for bucket in buckets:
@@ -247,7 +247,7 @@ class RolloutEngine:
       for _ in range(2):
         for budget in self.config.budgets:
           trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
-          state, _ = self._verify_fn(self._leaves, state, trees, seed, filters=filters)
+          state, _ = self.verify(state, trees, filters)
         state = self._admit(state, dummy)
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
@@ -262,8 +262,7 @@ class RolloutEngine:
 
   def verify(self, state: step.DecodeState, trees: accept.TreeBatch, filters: bool = False):
     """One jitted verify step (`step.verify_step`) with this engine's params."""
-    return self._verify_fn(self._leaves, state, trees, jnp.uint32(self.config.seed),
-                           filters=filters)
+    return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters)
 
   # ---- policies --------------------------------------------------------------------------------
 
@@ -402,7 +401,6 @@ class RolloutEngine:
     bucket = self.bucket_for(len(queue))
     state = self._new_state(bucket)
     slots: list[_Live | None] = [None] * bucket
-    seed = jnp.uint32(self.config.seed)
     overlap = self.config.draft_mode != "sync" and hasattr(self.drafter, "lookahead")
     ahead_only = overlap and self.config.draft_mode == "ahead_only"
     if overlap and self._pool is None:
@@ -444,7 +442,7 @@ class RolloutEngine:
       stats.draft_time_s += time.perf_counter() - td
 
       tdev = time.perf_counter()
-      state, out = self._verify_fn(self._leaves, state, tree_batch, seed, filters=filters)
+      state, out = self.verify(state, tree_batch, filters)
       ahead = None
       if wide:  # drafts for the next step while the device runs this one
         ahead = pool.submit(_timed, self.drafter.lookahead, wide)

@@ -181,3 +181,8 @@ def test_step_shape_fits_the_drafts(tiny_model):
   for a, b in zip(plain, res):
     np.testing.assert_array_equal(a.tokens, b.tokens)
   assert sorted(drafter.ended) == [0, 1]
+
+
+def test_bad_engine_config_is_named():
+  with pytest.raises(ValueError, match=r"draft_mode='fast': expected one of \('sync'"):
+    EngineConfig(draft_mode="fast")
