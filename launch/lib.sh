@@ -9,6 +9,10 @@
 readonly REMOTE_REPO=rhyme_jax        # the project, unpacked from a git archive
 readonly REMOTE_VENV=rhyme_venv       # its Python environment (the images' Python is too old)
 readonly REMOTE_RUNS=rhyme_jax_runs   # per run: NAME.flags, NAME.log, NAME.pid
+# Shell function for the workers: is process $1 alive? `kill -0` alone also says yes for a
+# zombie, which an init that does not reap (some containers) leaves behind.
+# shellcheck disable=SC2016  # expanded on the worker, not here
+readonly REMOTE_ALIVE='alive() { ps -o stat= -p "$1" 2>/dev/null | grep -qv Z; }'
 
 SCRIPT=$(basename "$0")
 DRY_RUN=0

@@ -57,7 +57,7 @@ tail_cmd+=" $base.log"
 if [[ $WORKER == all ]]; then
   tail_cmd+=" | sed -u \"s/^/[\$(hostname)] /\""
 fi
-remote="if [ -f $base.pid ] && kill -0 \"\$(cat $base.pid)\" 2>/dev/null; then state=\"running (pid \$(cat $base.pid))\"; else state=\"not running\"; fi"
+remote="$REMOTE_ALIVE; if alive \"\$(cat $base.pid 2>/dev/null)\"; then state=\"running (pid \$(cat $base.pid))\"; else state=\"not running\"; fi"
 remote+="; echo \"== \$(hostname) $RUN_NAME: \$state\""
 remote+="; if [ -f $base.log ]; then $tail_cmd; else echo \"\$(hostname): no log $base.log\" >&2; exit 1; fi"
 

@@ -90,8 +90,8 @@ exports="export PYTHONUNBUFFERED=1"
 for kv in ${ENVS[@]+"${ENVS[@]}"}; do
   exports+=" $(shell_quote "$kv")"
 done
-remote="set -euo pipefail; cd $REMOTE_REPO"
-remote+="; if [ -f $base.pid ] && kill -0 \"\$(cat $base.pid)\" 2>/dev/null; then"
+remote="set -euo pipefail; $REMOTE_ALIVE; cd $REMOTE_REPO"
+remote+="; if alive \"\$(cat $base.pid 2>/dev/null)\"; then"
 remote+=" echo \"\$(hostname): $RUN_NAME is already running (pid \$(cat $base.pid)); stop it with launch/stop.sh\" >&2; exit 1; fi"
 remote+="; $exports"
 remote+="; echo \"=== \$(date -u +%FT%TZ) \$(hostname) start\" >> $base.log"

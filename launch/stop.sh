@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stops a run on every worker (SIGTERM to the process group launch/run.sh started) and leaves
-# the VM up. A later launch/run.sh with the same run directory resumes from the last checkpoint.
+# Stops a run on every worker (SIGTERM to the process group launch/run.sh started, SIGKILL
+# after 30 s) and leaves the VM up. A later launch/run.sh with the same run directory resumes from the last checkpoint.
 set -euo pipefail
 # shellcheck source=launch/lib.sh source-path=SCRIPTDIR/..
 source "$(dirname "$0")/lib.sh"
@@ -37,9 +37,13 @@ check_common
 check_run_name "$RUN_NAME"
 
 base=$REMOTE_RUNS/$RUN_NAME
-remote="if [ -f $base.pid ] && kill -0 \"\$(cat $base.pid)\" 2>/dev/null; then"
-remote+=" kill -TERM -- \"-\$(cat $base.pid)\"; echo \"\$(hostname): stopped $RUN_NAME (pid \$(cat $base.pid))\";"
-remote+=" echo \"=== \$(date -u +%FT%TZ) \$(hostname) stopped by launch/stop.sh\" >> $base.log;"
-remote+=" else echo \"\$(hostname): $RUN_NAME is not running\"; fi"
+# SIGTERM to the run's process group (run.sh started it as a session leader), up to 30 s to
+# exit, then SIGKILL: a host stuck in a collective whose peers are gone never exits by itself.
+remote="$REMOTE_ALIVE; pid=\$(cat $base.pid 2>/dev/null || true)"
+remote+="; if ! alive \"\$pid\"; then echo \"\$(hostname): $RUN_NAME is not running\"; exit 0; fi"
+remote+="; kill -TERM -- \"-\$pid\"; for _ in \$(seq 30); do alive \"\$pid\" || break; sleep 1; done"
+remote+="; if alive \"\$pid\"; then kill -KILL -- \"-\$pid\"; how=SIGKILL; else how=SIGTERM; fi"
+remote+="; echo \"=== \$(date -u +%FT%TZ) \$(hostname) stopped by launch/stop.sh (\$how)\" >> $base.log"
+remote+="; echo \"\$(hostname): stopped $RUN_NAME (pid \$pid, \$how)\""
 
 run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${LOCATION[@]}" --worker=all "--command=$remote"
