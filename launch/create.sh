@@ -25,6 +25,10 @@ options:
   --spot                    spot capacity: much cheaper, may be preempted at any time
   --queued                  create through a queued resource (waits for capacity)
   --valid_until_duration D  with --queued: give up if not provisioned within D (e.g. 6h)
+  --service_account EMAIL   service account of the workers (default: the project's
+                            Compute Engine default account); it needs write access to
+                            the gs:// bucket of your run directories
+  --scopes SCOPES           its access scopes, e.g. cloud-platform (IAM roles then decide)
   --project PROJECT         Google Cloud project (default: gcloud's configured project)
   --dry-run                 print the gcloud command, run nothing
   -h, --help                this help
@@ -36,12 +40,16 @@ RUNTIME=""
 SPOT=0
 QUEUED=0
 VALID_UNTIL=""
+SERVICE_ACCOUNT=""
+SCOPES=""
 while (($#)); do
   option_name "$1"
   case $OPT in
     accelerator_type) take "$@"; ACCELERATOR=$VALUE ;;
     runtime_version) take "$@"; RUNTIME=$VALUE ;;
     valid_until_duration) take "$@"; VALID_UNTIL=$VALUE ;;
+    service_account) take "$@"; SERVICE_ACCOUNT=$VALUE ;;
+    scopes) take "$@"; SCOPES=$VALUE ;;
     spot) TAKEN=1; SPOT=1 ;;
     queued) TAKEN=1; QUEUED=1 ;;
     *) common_option "$@" ;;
@@ -75,6 +83,12 @@ if ((QUEUED)); then
 else
   cmd=(gcloud compute tpus tpu-vm create "$TPU_NAME" "${LOCATION[@]}"
     "--accelerator-type=$ACCELERATOR" "--version=$RUNTIME")
+fi
+if [[ -n $SERVICE_ACCOUNT ]]; then
+  cmd+=("--service-account=$SERVICE_ACCOUNT")
+fi
+if [[ -n $SCOPES ]]; then
+  cmd+=("--scopes=$SCOPES")
 fi
 if ((SPOT)); then
   cmd+=(--spot)

@@ -104,9 +104,12 @@ DRY_RUNS = {
         [f"gcloud compute tpus tpu-vm create my-tpu {LOC} --accelerator-type=v5litepod-8 "
          "--version=v2-alpha-tpuv5-lite"]),
     "create_pod_spot": (
-        "create.sh", [*VM, "--accelerator-type=v5p-32", "--spot", "--project=my-proj"],
+        "create.sh", [*VM, "--accelerator-type=v5p-32", "--spot", "--project=my-proj",
+                      "--service_account", "tpu@my-proj.iam.gserviceaccount.com",
+                      "--scopes=cloud-platform"],
         [f"gcloud compute tpus tpu-vm create my-tpu {LOC} --project=my-proj "
-         "--accelerator-type=v5p-32 --version=v2-alpha-tpuv5 --spot"]),
+         "--accelerator-type=v5p-32 --version=v2-alpha-tpuv5 "
+         "--service-account=tpu@my-proj.iam.gserviceaccount.com --scopes=cloud-platform --spot"]),
     "create_queued": (
         "create.sh", [*VM, "--accelerator_type", "v6e-8", "--queued", "--valid_until_duration",
                       "6h", "--runtime_version", "v2-alpha-tpuv6e"],
