@@ -64,11 +64,15 @@ for flag in ${MAIN_FLAGS[@]+"${MAIN_FLAGS[@]}"}; do
   [[ $flag == --* ]] || die "'$flag' after '--' is not a flag (rhyme_jax.main takes --flag=value)"
 done
 
-# The run directory the run will use: --run_dir, else the flag file's last --run_dir line.
-effective_run_dir=$RUN_DIR
-if [[ -z $effective_run_dir ]]; then
-  effective_run_dir=$(sed -n 's/^[[:space:]]*--run_dir=//p' "$FLAGFILE" | tail -n 1)
-fi
+# The run directory the run will use: the last one rhyme_jax.main reads (absl: last wins), from
+# the flag file, then --run_dir, then flags after '--'.
+effective_run_dir=$(sed -n 's/^[[:space:]]*--run_dir=//p' "$FLAGFILE" | tail -n 1)
+effective_run_dir=${RUN_DIR:-$effective_run_dir}
+for flag in ${MAIN_FLAGS[@]+"${MAIN_FLAGS[@]}"}; do
+  if [[ $flag == --run_dir=* ]]; then
+    effective_run_dir=${flag#--run_dir=}
+  fi
+done
 if [[ -z $RUN_NAME ]]; then
   RUN_NAME=$(basename "${effective_run_dir:-$FLAGFILE}")
   RUN_NAME=${RUN_NAME%.flags}

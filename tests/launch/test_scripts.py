@@ -176,6 +176,15 @@ def test_run_defaults_run_name_to_flag_files_run_dir_and_warns_off_gcs(env):
   assert "run dir 'runs/quickstart' is on each worker's own disk" in result.stderr
 
 
+def test_run_name_follows_the_run_dir_main_will_use(env):
+  """absl keeps the last --run_dir: flag file < --run_dir < a --run_dir after '--'."""
+  args = [*VM, "--flagfile", "configs/quickstart.flags", "--dry-run"]
+  result = launch("run.sh", *args, "--run_dir=gs://b/r1", "--", "--run_dir=gs://b/r2", env=env)
+  assert "my-tpu:rhyme_jax_runs/r2.flags" in result.stdout and result.stderr == ""
+  result = launch("run.sh", *args, "--run_dir=gs://b/r1", "--run_name=mine", env=env)
+  assert "my-tpu:rhyme_jax_runs/mine.flags" in result.stdout and result.stderr == ""
+
+
 def test_tpu_vm_wrapper_is_install_then_run(env):
   args = ["configs/qwen2_5_1_5b_tpu_v5e.flags", "--num_steps=3"]
   wrapper = launch("tpu_vm.sh", "--dry-run", "my-tpu", "us-central2-b", *args, env=env)
