@@ -55,7 +55,7 @@ def _kernel(kv_len_ref, q_len_ref, q_ref, mask_ref, k_ref, v_ref, o_ref, *, bloc
     start = pl.multiple_of(i * block, block)
     k_CxH = k_ref[b, pl.ds(start, block), h, :]
     v_CxH = v_ref[b, pl.ds(start, block), h, :]
-    s_RxC = pl.dot(q_RxH, k_CxH, trans_b=True).astype(jnp.float32) * sm_scale
+    s_RxC = plgpu.dot(q_RxH, k_CxH, trans_b=True).astype(jnp.float32) * sm_scale
     if masked:
       allowed_RxC = block_math.allowed_positions(start, block, kv_len, q_len, words_Rx1)
       s_RxC = jnp.where(allowed_RxC, s_RxC, -jnp.inf)

@@ -53,8 +53,10 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
   kv_len = kv_len_ref[b]
   q_len = q_len_ref[b]
   live_len = kv_len + q_len
-  num_blocks = pl.cdiv(live_len, block)
-  num_clean = kv_len // block              # blocks wholly inside the committed prefix
+  # lax.div/rem, not // and %: the lengths are non-negative, and floor division lowers via sign,
+  # whose Mosaic rule needs a TPU to ask for its chip version.
+  num_blocks = jax.lax.div(live_len + block - 1, block)
+  num_clean = jax.lax.div(kv_len, block)   # blocks wholly inside the committed prefix
 
   def copies(i, slot):
     start = pl.multiple_of(i * block, block)
@@ -75,7 +77,7 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
     words_Rx1 = [mask_ref[:, w:w + 1] for w in range(num_words)]
 
     def step(i, carry, *, masked: bool):
-      slot = i % 2
+      slot = jax.lax.rem(i, 2)
 
       @pl.when(i + 1 < num_blocks)
       def _prefetch():
@@ -98,7 +100,7 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
           s_RxC = jnp.where(allowed_RxC, s_RxC, -jnp.inf)
           v_CxH = jnp.where(live_CxH, v_CxH, jnp.zeros_like(v_CxH))
         m_Rx1, l_Rx1, acc_RxH = block_math.online_update(
-            m_scr[h][:, :1], l_scr[h][:, :1], acc_scr[h], s_RxC, v_CxH)
+            m_scr[h, :, 0:1], l_scr[h, :, 0:1], acc_scr[h], s_RxC, v_CxH)
         m_scr[h] = jnp.broadcast_to(m_Rx1, m_scr.shape[1:])
         l_scr[h] = jnp.broadcast_to(l_Rx1, l_scr.shape[1:])
         acc_scr[h] = acc_RxH
@@ -107,7 +109,7 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
     jax.lax.fori_loop(0, num_clean, functools.partial(step, masked=False), 0)
     jax.lax.fori_loop(num_clean, num_blocks, functools.partial(step, masked=True), 0)
     for h in range(num_kv_heads):
-      o_ref[h] = block_math.finish(l_scr[h][:, :1], acc_scr[h], o_ref.dtype)
+      o_ref[h] = block_math.finish(l_scr[h, :, 0:1], acc_scr[h], o_ref.dtype)
 
 
 def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
