@@ -38,6 +38,11 @@ def live_rows(block_start, num_cols: int, width: int, live_len):
   return pos_CxX < live_len
 
 
+def dot_precision(dtype):
+  """float32 inputs get full-precision matmuls (no bf16 passes / tf32), matching the reference."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def online_update(m_Rx1, l_Rx1, acc_RxH, scores_RxC, v_CxH):
   """One flash-attention step: fold a block of (already masked, float32) scores into the state."""
   m_new_Rx1 = jnp.maximum(m_Rx1, jnp.max(scores_RxC, axis=1, keepdims=True))
@@ -45,6 +50,7 @@ def online_update(m_Rx1, l_Rx1, acc_RxH, scores_RxC, v_CxH):
   alpha_Rx1 = jnp.exp(m_Rx1 - m_new_Rx1)
   l_new_Rx1 = alpha_Rx1 * l_Rx1 + jnp.sum(p_RxC, axis=1, keepdims=True)
   pv_RxH = jax.lax.dot_general(p_RxC.astype(v_CxH.dtype), v_CxH, (((1,), (0,)), ((), ())),
+                               precision=dot_precision(v_CxH.dtype),
                                preferred_element_type=jnp.float32)
   return m_new_Rx1, l_new_Rx1, alpha_Rx1 * acc_RxH + pv_RxH
 

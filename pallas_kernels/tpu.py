@@ -95,6 +95,7 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
         k_CxH = k_buf[slot, :, cols]
         v_CxH = v_buf[slot, :, cols]
         s_RxC = jax.lax.dot_general(q_ref[h], k_CxH, (((1,), (1,)), ((), ())),
+                                    precision=block_math.dot_precision(k_CxH.dtype),
                                     preferred_element_type=jnp.float32) * sm_scale
         if masked:
           s_RxC = jnp.where(allowed_RxC, s_RxC, -jnp.inf)
