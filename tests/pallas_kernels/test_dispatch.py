@@ -52,3 +52,10 @@ def test_bad_impl_and_bad_shapes_name_the_culprit():
   args[6] = args[6][1:]
   with pytest.raises(ValueError, match="mask_PxW"):
     dispatch.tree_attention(*args)
+
+
+@pytest.mark.parametrize("backend,expected", [("tpu", "tpu"), ("gpu", "gpu"), ("cpu", "reference")])
+def test_auto_picks_by_backend(backend, expected, monkeypatch):
+  monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
+  assert dispatch.resolve_impl("auto") == expected
+  assert dispatch.resolve_impl("reference") == "reference"

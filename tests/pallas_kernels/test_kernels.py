@@ -76,3 +76,30 @@ def test_gpu_kernel_split_kv_matches_reference(kv_splits):
   out = gpu.tree_attention(*case.args, max_q_len=max_q_len, sm_scale=16 ** -0.5,
                            block_kv=BLOCK, kv_splits=kv_splits, interpret=True)
   _check(out, case)
+
+
+def random_config(seed: int):
+  """A random batch: 1-5 rows, GQA 1/3/8, 1-2 mask words, f32 or bf16, any lengths that fit."""
+  rng = np.random.default_rng(seed)
+  batch = int(rng.integers(1, 6))
+  num_words = int(rng.integers(1, 3))
+  max_q_len = int(rng.integers(1, 32 * num_words + 1))
+  q_lens = rng.integers(0, max_q_len + 1, batch)
+  kv_lens = [int(rng.integers(0, CACHE - n + 1)) for n in q_lens]
+  return dict(q_lens=q_lens, kv_lens=kv_lens, group=int(rng.choice([1, 3, 8])),
+              num_words=num_words, dtype=[jnp.float32, jnp.bfloat16][seed % 2],
+              tree=str(rng.choice(["chain", "bushy", "random"])), gap=int(rng.integers(0, 2)),
+              tail_pad=int(rng.integers(0, 3))), max_q_len
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow),
+                                  pytest.param(2, marks=pytest.mark.slow),
+                                  pytest.param(3, marks=pytest.mark.slow)])
+def test_kernel_random_batches(impl, seed):
+  kwargs, max_q_len = random_config(seed)
+  case = make_case(seed, cache_len=CACHE, num_kv_heads=2, head_dim=16, **kwargs)
+  interpret = pltpu.InterpretParams(dma_execution_mode="eager") if impl == "tpu" else True
+  out = dispatch.tree_attention(*case.args, impl=impl, interpret=interpret, block_kv=BLOCK,
+                                max_q_len=max_q_len)
+  _check(out, case)
