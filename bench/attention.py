@@ -4,9 +4,10 @@ For each (heads, mode, rows B, live length L): every row holds L committed posit
 adds 1 new token per row (zero draft tokens), "verify" adds a draft tree of `--tree` tokens
 (random tree, one mask word). The cache has S = L + tokens rounded up to 512 positions.
 - kernel: pallas_kernels.tree_attention with impl="auto" (TPU -> Mosaic, GPU -> Triton).
-- xla: the row-dense XLA formulation an engine would use without a kernel (each row's tokens
-  gathered into a [T] tile, scores against the row's cache sliced to the compiled bound S,
-  bit-tested tree mask, softmax, dense PV): it reads all S positions of every row.
+- xla: the engine's XLA path, rhyme_jax.models.attention.tree_attention, when that module has
+  it (max_kv_len = S, max_q_len = tokens); otherwise the bench's own row-dense formulation
+  (each row's tokens gathered into a [T] tile, scores against all S cache positions of the row,
+  bit-tested tree mask, softmax, dense PV). Both read all S positions of every row.
 - GB/s: bytes the kernel must move (live K and V of every row, q in, out back) / kernel time;
   "% copy" compares it with the device's measured copy bandwidth (read+write of a large array).
 Timings: compiled and run once untimed, then the median of `--reps` runs (block_until_ready).
@@ -67,6 +68,16 @@ def xla_rows_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len
                              max_q_len=max_q_len, num_heads=num_heads)
 
 
+def xla_baseline():
+  """(name, fn(*args, max_q_len)) of the XLA path to compare against."""
+  try:
+    from rhyme_jax.models.attention import tree_attention as engine_attention
+  except ImportError:
+    return "bench row-dense XLA", xla_rows_attention
+  return "rhyme_jax.models.attention.tree_attention", lambda *a, max_q_len: engine_attention(
+      *a, max_kv_len=a[1].shape[1], max_q_len=max_q_len)
+
+
 def make_inputs(rng, *, heads, rows, live_len, tokens, dtype, cache_multiple):
   num_heads, num_kv_heads, head_dim = heads
   cache_len = layout.round_up(live_len + tokens, cache_multiple)
@@ -122,8 +133,10 @@ def main(argv=None):
   cache_multiple = 16 if args.smoke else 512
   rng = np.random.default_rng(0)
   copy_bw = copy_bandwidth((1 << 22) if args.smoke else (1 << 31), args.reps)
+  xla_name, xla_fn = xla_baseline()
   print(f"device: {common.device_description()}; kernel impl: {impl}"
-        f"{' (interpret)' if interpret else ''}; copy bandwidth {copy_bw / 1e9:.1f} GB/s")
+        f"{' (interpret)' if interpret else ''}; xla: {xla_name}; "
+        f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
 
   rows_out = []
   for heads_name in args.heads.split(","):
@@ -140,7 +153,7 @@ def main(argv=None):
                                dtype=dtype, cache_multiple=cache_multiple)
           kernel = jax.jit(lambda *a, t=tokens: dispatch.tree_attention(
               *a, impl=impl, interpret=interpret, max_q_len=t, block_kv=block_kv))
-          xla = jax.jit(lambda *a, t=tokens: xla_rows_attention(*a, max_q_len=t))
+          xla = jax.jit(lambda *a, t=tokens: xla_fn(*a, max_q_len=t))
           out_kernel = kernel(*inputs).block_until_ready()
           out_xla = xla(*inputs).block_until_ready()
           diff = float(jnp.max(jnp.abs(out_kernel.astype(jnp.float32)
@@ -161,7 +174,7 @@ def main(argv=None):
   print(table)
   if not args.no_append:
     notes = [f"kernel impl {impl}{' in interpret mode' if interpret else ''}, dtype {args.dtype}, "
-             f"verify tree {args.tree} tokens, reps {args.reps} (median)",
+             f"verify tree {args.tree} tokens, reps {args.reps} (median); xla = {xla_name}",
              f"measured copy bandwidth {copy_bw / 1e9:.1f} GB/s"]
     if args.smoke:
       notes.append("SMOKE RUN on CPU: interpret-mode timings are meaningless; this only checks "
