@@ -19,8 +19,8 @@ def allowed_positions(block_start, num_cols: int, kv_len, q_len, words_Rx1):
 
   Positions below kv_len are the row's committed prefix (always visible); position kv_len + j is
   new token j, visible iff bit j of the row's mask words is set; everything from kv_len + q_len
-  on is dead. words_Rx1 is the list of the rows' W mask words (uint32 bitcast to int32), each [R, 1],
-  loaded column by column by the caller (value slicing is not lowered everywhere).
+  on is dead. words_Rx1 is the list of the rows' W mask words (uint32 bitcast to int32), each
+  [R, 1], loaded column by column by the caller (value slicing is not lowered everywhere).
   """
   num_rows = words_Rx1[0].shape[0]
   pos_RxC = block_start + jax.lax.broadcasted_iota(jnp.int32, (num_rows, num_cols), 1)

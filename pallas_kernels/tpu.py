@@ -1,10 +1,12 @@
 """Mosaic TPU kernel for tree-verification attention (the ATTENTION CONTRACT).
 
-One program per row (grid over B, "parallel"): the row's kv_len and q_len come in by scalar
-prefetch (SMEM), so the program knows how many KV blocks are live before touching HBM. The cache
-stays in HBM (memory_space=ANY) viewed as [B, S, K*H] (a free reshape); the kernel copies block
-i of the row with a manual, double-buffered DMA (block i+1 is in flight while block i is used),
-and loops over cdiv(kv_len + q_len, C) blocks only, so nothing past a row's live length is read.
+One program per row (grid over B): the row's kv_len and q_len come in by scalar prefetch
+(SMEM), so the program knows how many KV blocks are live before touching HBM. The cache stays
+in HBM (memory_space=ANY) viewed as [B, S, K*H] (a free reshape); the kernel copies block i of
+the row with a manual, double-buffered DMA (block i+1 is in flight while block i is used), and
+loops over cdiv(kv_len + q_len, C) blocks only, so nothing past a row's live length is read.
+The last block of a row also starts the next row's first block, so no row waits on its first
+copy (the grid is therefore "arbitrary": programs run in order on one core).
 Each block is fetched once for all K heads; per KV head the G query heads of all T tokens form
 one [R, H] tile (R = T*G padded), so a KV block feeds one MXU matmul per head (GQA).
 
@@ -47,9 +49,10 @@ def pick_block(cache_len: int, block_kv: int, multiple: int) -> int | None:
 def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B]
             q_ref, mask_ref, k_hbm, v_hbm,           # [K, R, H], [R, W], [B, S, K*H] x2 (HBM)
             o_ref,                                   # [K, R, H]
-            k_buf, v_buf, sem, m_scr, l_scr, acc_scr,
+            k_buf, v_buf, sem, slot_ref, m_scr, l_scr, acc_scr,
             *, block: int, num_kv_heads: int, head_dim: int, num_words: int, sm_scale: float):
   b = pl.program_id(0)
+  last_row = pl.num_programs(0) - 1
   kv_len = kv_len_ref[b]
   q_len = q_len_ref[b]
   live_len = kv_len + q_len
@@ -58,10 +61,12 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
   num_blocks = jax.lax.div(live_len + block - 1, block)
   num_clean = jax.lax.div(kv_len, block)   # blocks wholly inside the committed prefix
 
-  def copies(i, slot):
+  def copies(row, i, slot):
     start = pl.multiple_of(i * block, block)
-    return (pltpu.make_async_copy(k_hbm.at[b, pl.ds(start, block)], k_buf.at[slot], sem.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[b, pl.ds(start, block)], v_buf.at[slot], sem.at[1, slot]))
+    return (pltpu.make_async_copy(k_hbm.at[row, pl.ds(start, block)], k_buf.at[slot],
+                                  sem.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[row, pl.ds(start, block)], v_buf.at[slot],
+                                  sem.at[1, slot]))
 
   @pl.when(q_len == 0)
   def _empty_row():
@@ -72,19 +77,36 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
     m_scr[...] = jnp.full_like(m_scr, block_math.NEG_BIG)
     l_scr[...] = jnp.zeros_like(l_scr)
     acc_scr[...] = jnp.zeros_like(acc_scr)
-    for c in copies(0, 0):
-      c.start()
+    # Block 0 was prefetched by the previous row's program (into slot_ref[0]) when that row had
+    # tokens; otherwise this program starts it itself.
+    prefetched = (b > 0) & (q_len_ref[jnp.maximum(b - 1, 0)] > 0)
+
+    @pl.when(jnp.logical_not(prefetched))
+    def _first_copy():
+      slot_ref[0] = 0
+      for c in copies(b, 0, 0):
+        c.start()
+
+    first_slot = slot_ref[0]
     words_Rx1 = [mask_ref[:, w:w + 1] for w in range(num_words)]
 
     def step(i, carry, *, masked: bool):
-      slot = jax.lax.rem(i, 2)
+      slot = jax.lax.rem(first_slot + i, 2)
 
       @pl.when(i + 1 < num_blocks)
-      def _prefetch():
-        for c in copies(i + 1, 1 - slot):
+      def _prefetch_next_block():
+        for c in copies(b, i + 1, 1 - slot):
           c.start()
 
-      for c in copies(i, slot):
+      @pl.when((i + 1 == num_blocks) & (b < last_row))
+      def _prefetch_next_row():
+        @pl.when(q_len_ref[jnp.minimum(b + 1, last_row)] > 0)
+        def _start():
+          slot_ref[0] = 1 - slot
+          for c in copies(b + 1, 0, 1 - slot):
+            c.start()
+
+      for c in copies(b, i, slot):
         c.wait()
       start = i * block
       if masked:
@@ -127,7 +149,8 @@ def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
 
 
 def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW, *,
-                   max_q_len: int, sm_scale: float, block_kv: int = DEFAULT_BLOCK_KV, interpret=False):
+                   max_q_len: int, sm_scale: float, block_kv: int = DEFAULT_BLOCK_KV,
+                   interpret=False):
   """Contract tree attention on TPU; max_q_len (static) bounds every q_len_B[b]."""
   num_tokens, num_heads, head_dim = q_PxNxH.shape
   batch, cache_len, num_kv_heads, _ = k_BxSxKxH.shape
@@ -159,6 +182,7 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
           pltpu.VMEM((2, block, num_kv_heads * head_dim), k_BxSxKxH.dtype),
           pltpu.VMEM((2, block, num_kv_heads * head_dim), v_BxSxKxH.dtype),
           pltpu.SemaphoreType.DMA((2, 2)),
+          pltpu.SMEM((1,), jnp.int32),
           pltpu.VMEM((num_kv_heads, num_rows, LANES), jnp.float32),
           pltpu.VMEM((num_kv_heads, num_rows, LANES), jnp.float32),
           pltpu.VMEM((num_kv_heads, num_rows, head_dim), jnp.float32),
@@ -169,7 +193,7 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
       kernel,
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim), dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
       interpret=interpret or False,
       name="tree_attention_tpu",
   )(kv_len_B.astype(jnp.int32), q_len_B.astype(jnp.int32), q_BxKxRxH, mask_BxRxW,
