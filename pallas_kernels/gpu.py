@@ -92,9 +92,10 @@ def combine_splits(m_BxKxJxR, l_BxKxJxR, acc_BxKxJxRxH, dtype):
 
 
 def default_splits(batch: int, num_kv_heads: int, cache_len: int, block: int) -> int:
-  """Split each row's KV range so that B*K*splits programs fill a large GPU (~132 SMs x 2)."""
+  """Split each row's KV range so that B*K*splits programs fill a large GPU (~132 SMs x 2),
+  keeping at least 4 blocks of the cache per split."""
   programs = batch * num_kv_heads
-  return max(1, min(16, -(-264 // programs), cache_len // (4 * block)))
+  return max(1, min(64, -(-264 // programs), cache_len // (4 * block)))
 
 
 def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
