@@ -71,7 +71,7 @@ def synthetic_trace(seed: int = 0, num_prompts: int = 32, group_size: int = 8, e
   difficulty = rng.lognormal(np.log(150), 0.55, num_prompts)
   lengths = [dict() for _ in range(num_prompts)]
   for e in range(epochs):
-    drift = difficulty * rng.lognormal(0.0, 0.2, num_prompts)
+    drift = difficulty * rng.lognormal(0.0, 0.1, num_prompts)
     sample = drift[:, None] * rng.lognormal(0.0, 0.45, (num_prompts, group_size))
     for i in range(num_prompts):
       lengths[i][e] = np.clip(np.rint(sample[i]), 8, max_new_tokens).astype(np.int64)
