@@ -11,10 +11,14 @@ Traces (`--trace`, repeatable):
   synthetic[:SEED]   a generated trace (log-normal prompt difficulty, per-sample noise, epoch
                      drift; 32 prompts x 8 samples x 2 epochs by default), clearly labelled;
   PATH.jsonl         one JSON object per line: {"prompt_key", "epoch", "lengths": [...],
-                     optional "prompt_len", "max_new_tokens"} (the format `--write_trace` emits),
-                     or the recordings' per-sample lines (see `load_trace`).
+                     optional "prompt_len"} (the format `--write_trace` emits), or per-sample
+                     lines (see `load_trace`);
+  GLOB.npz           recorded rollouts (the drafts helper's `history.recording` format: one
+                     file per epoch and prompt range; `lengths`, `prompt_index`,
+                     `prompt_keys`, `prompt_lengths`, `meta_json` with the epoch), all files
+                     the glob matches forming one trace.
 
-  python bench/schedsim.py --trace synthetic --trace /work/recordings/<file>.jsonl
+  python bench/schedsim.py --trace synthetic:0 --trace '/work/recordings/gsm8k_T0.6_e*.npz'
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -113,6 +118,31 @@ def load_trace(path: str) -> Trace:
                [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
 
 
+def load_npz_trace(pattern: str) -> Trace:
+  """Recorded rollouts (`.npz`, see the module docstring) matching `pattern`, as one trace."""
+  paths = sorted(glob.glob(pattern))
+  if not paths:
+    raise ValueError(f"--trace {pattern}: no files match")
+  per: dict = collections.OrderedDict()
+  prompt_len: dict = {}
+  for path in paths:
+    try:
+      with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta_json"]))
+        keys = [str(k) for k in z["prompt_keys"]]
+        plens = z["prompt_lengths"].astype(np.int64)
+        for i, n in zip(z["prompt_index"].astype(np.int64), z["lengths"].astype(np.int64)):
+          per.setdefault(keys[i], collections.defaultdict(list))[int(meta["epoch"])].append(
+              int(n))
+          prompt_len[keys[i]] = int(plens[i])
+    except (KeyError, ValueError, OSError) as e:
+      raise ValueError(f"{path}: not a recorded rollout ({e!r})") from e
+  keys = list(per)
+  name = os.path.basename(pattern) + f" ({len(paths)} files)"
+  return Trace(name, keys, [prompt_len[k] for k in keys],
+               [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
+
+
 def write_trace(trace: Trace, path: str) -> None:
   with open(path, "w") as f:
     for key, plen, per in zip(trace.keys, trace.prompt_len, trace.lengths):
@@ -190,6 +220,8 @@ def run(args) -> tuple[list[list], list[str]]:
     if spec.startswith("synthetic"):
       seed = int(spec.split(":")[1]) if ":" in spec else 0
       traces.append(synthetic_trace(seed, max_new_tokens=args.max_new_tokens))
+    elif spec.endswith(".npz"):
+      traces.append(load_npz_trace(spec))
     else:
       traces.append(load_trace(spec))
   rows, notes, checks = [], [], []
