@@ -214,7 +214,49 @@ def scenarios(args) -> list[Scenario]:
   return out
 
 
-def run(args) -> tuple[list[list], list[str]]:
+class _TwoSteps:
+  """Step A's requests in policy_a's order, then step B's in policy_b's: B's requests take the
+  slots A's tail frees (rollout of the next step overlapping this one's tail)."""
+
+  online = False
+
+  def __init__(self, policy_a, policy_b, step_b_groups):
+    self.a, self.b, self.step_b = policy_a, policy_b, step_b_groups
+
+  def order(self, queue):
+    return (self.a.order([m for m in queue if m.group_id not in self.step_b])
+            + self.b.order([m for m in queue if m.group_id in self.step_b]))
+
+  def next_to_admit(self, queue, finished, live):
+    return 0
+
+
+def overlap_rows(trace, jobs, predictor, truth, args) -> list[list]:
+  """Cross-step alternation: the step's prompts split into two consecutive steps A (even) and
+  B (odd); total time with a barrier between them vs with B admitted into A's tail."""
+  groups = sorted({m.group_id for m, _ in jobs})
+  step_b = set(groups[len(groups) // 2:])
+  rows = []
+  for table_name, slots in (("h100", 64), ("cpu", 32)):
+    table = StepTimeTable.builtin(table_name)
+    cfg = SimConfig(slots=slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1) if b <= slots),
+                    prefill_ms_per_token=PREFILL_MS_PER_TOKEN[table_name])
+    pick = lambda name, step: make_policy(name, predictor=predictor, step=step,
+                                          true_lengths=truth)
+    for label, (pa, pb) in {"fifo": ("fifo", "fifo"), "history": ("history", "history"),
+                            "history_alt": ("history_alt", "history_alt"),
+                            "oracle": ("oracle", "oracle")}.items():
+      a_jobs = [(m, n) for m, n in jobs if m.group_id not in step_b]
+      b_jobs = [(m, n) for m, n in jobs if m.group_id in step_b]
+      barrier = (simulate(a_jobs, lambda: pick(pa, 0), table, cfg).makespan_ms
+                 + simulate(b_jobs, lambda: pick(pb, 1), table, cfg).makespan_ms)
+      both = simulate(jobs, lambda: _TwoSteps(pick(pa, 0), pick(pb, 1), step_b), table, cfg)
+      rows.append([trace.name, f"{table_name} 1x{slots}", label, f"{barrier / 1e3:.2f}",
+                   f"{both.makespan_ms / 1e3:.2f}", f"{both.makespan_ms / barrier:.3f}"])
+  return rows
+
+
+def run(args) -> tuple[list[list], list[str], list[list]]:
   traces = []
   for spec in args.trace:
     if spec.startswith("synthetic"):
@@ -224,7 +266,7 @@ def run(args) -> tuple[list[list], list[str]]:
       traces.append(load_npz_trace(spec))
     else:
       traces.append(load_trace(spec))
-  rows, notes, checks = [], [], []
+  rows, notes, checks, overlap = [], [], [], []
   for trace in traces:
     epochs = trace.epochs
     if len(epochs) < 2:
@@ -243,6 +285,7 @@ def run(args) -> tuple[list[list], list[str]]:
     for m, n in jobs:
       group_mean[m.group_id].append(n)
     group_mean = {g: float(np.mean(v)) for g, v in group_mean.items()}
+    overlap += overlap_rows(trace, jobs, predictor, truth, args)
     for sc in scenarios(args):
       table = StepTimeTable.builtin(sc.table)
       cfg = SimConfig(slots=sc.slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1)
@@ -279,7 +322,7 @@ def run(args) -> tuple[list[list], list[str]]:
                  f"({'within' if ratio <= 1.02 else 'NOT within'} 2%; / oracle_group "
                  f"{vs_group:.3f}), tail cut vs FIFO {100 * cut:.0f}% "
                  f"({'meets' if cut >= 0.75 else 'misses'} >= 75%)")
-  return rows, notes
+  return rows, notes, overlap
 
 
 def main(argv=None) -> None:
@@ -303,12 +346,16 @@ def main(argv=None) -> None:
   if args.write_trace:
     write_trace(synthetic_trace(max_new_tokens=args.max_new_tokens), args.write_trace)
     return
-  rows, notes = run(args)
+  rows, notes, overlap = run(args)
   headers = ["trace", "table", "shards x slots", "shrink", "spec", "plan", "chunk", "policy",
              "makespan s", "tail s", "slot util", "makespan / oracle", "tail / oracle",
              "tail cut vs fifo"]
   flat = [[r[0]] + r[1].split(" | ") + r[2:] for r in rows]
   table = common.markdown_table(headers, flat)
+  table += ("\n\nCross-step alternation: the step's prompts as two consecutive steps A, B "
+            "(first and second half); history_alt = A long-first, B short-first\n\n")
+  table += common.markdown_table(
+      ["trace", "table", "policy", "A then B, barrier s", "B into A's tail s", "ratio"], overlap)
   print(table)
   for n in notes:
     print("-", n)
