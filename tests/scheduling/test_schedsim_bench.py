@@ -51,7 +51,9 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
                  "--no_append"])
   out = capsys.readouterr().out
-  policies = [line.split(" | ")[8] for line in out.splitlines() if line.startswith("| small")]
+  lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
+  policies = [cells[8] for cells in lines if len(cells) > 9]
+  assert sum(len(cells) == 6 for cells in lines) == 8  # the two-step alternation table
   assert len(policies) == len(schedsim.POLICIES) * len(schedsim.scenarios(
       schedsim.argparse.Namespace(accepted=1.7, budget=16, chunk=64,
                                   plans="data_order,lpt_history,lpt_oracle")))
