@@ -52,9 +52,9 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
                  "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 10, 17)}
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 10, 18)}
   num_scenarios = len(schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, chunk=64, plans="data_order,lpt_history,lpt_oracle")))
-  assert by_width == {6: 8, 10: 2 * len(schedsim.POLICIES), 17: num_scenarios}
+  assert by_width == {6: 8, 10: 2 * len(schedsim.POLICIES), 18: num_scenarios}
   assert len(lines) == sum(by_width.values())
   assert "targets, small.jsonl" in out
