@@ -143,6 +143,18 @@ def load_npz_trace(pattern: str) -> Trace:
                [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
 
 
+def split_groups(trace: Trace) -> Trace:
+  """A one-epoch trace as two: each prompt's first half of samples becomes the history
+  (epoch 0), the second half the step (epoch 1); both halves come from the same policy, as
+  consecutive epochs do when no training step runs between them."""
+  (epoch,) = trace.epochs
+  halves = []
+  for per in trace.lengths:
+    n = len(per[epoch]) // 2
+    halves.append({0: per[epoch][:n], 1: per[epoch][n:]})
+  return Trace(trace.name + " split in halves", trace.keys, trace.prompt_len, halves)
+
+
 def write_trace(trace: Trace, path: str) -> None:
   with open(path, "w") as f:
     for key, plen, per in zip(trace.keys, trace.prompt_len, trace.lengths):
@@ -269,9 +281,12 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
       traces.append(load_trace(spec))
   detail, summary, overlap, notes = [], [], [], []
   for trace in traces:
+    if len(trace.epochs) == 1 and args.split_groups:
+      trace = split_groups(trace)
     epochs = trace.epochs
     if len(epochs) < 2:
-      raise ValueError(f"--trace {trace.name}: needs >= 2 epochs (history, then the step)")
+      raise ValueError(f"--trace {trace.name}: needs >= 2 epochs (history, then the step), "
+                       f"or --split_groups")
     target = epochs[-1]
     jobs = step_jobs(trace, target, args.max_new_tokens)
     lengths = np.array([n for _, n in jobs])
@@ -340,6 +355,8 @@ def main(argv=None) -> None:
   ap.add_argument("--plans", default="data_order,lpt_history,lpt_oracle")
   ap.add_argument("--chunk", type=int, default=64, help="divided-rollout chunk (tokens)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
+  ap.add_argument("--split_groups", action="store_true",
+                  help="a one-epoch trace: first half of each group = history, second = step")
   ap.add_argument("--write_trace", default=None, help="write the first trace as JSONL and exit")
   ap.add_argument("--note", action="append", default=[])
   ap.add_argument("--no_append", action="store_true")

@@ -38,6 +38,10 @@ def test_npz_and_jsonl_traces_round_trip(tmp_path):
   again = schedsim.load_trace(str(tmp_path / "t.jsonl"))
   assert again.keys == trace.keys
   assert all((a[e] == b[e]).all() for a, b in zip(again.lengths, trace.lengths) for e in (0, 1))
+  one = schedsim.load_npz_trace(str(tmp_path / "gsm8k_T0.6_e0*.npz"))
+  halves = schedsim.split_groups(one)
+  assert halves.epochs == [0, 1]
+  np.testing.assert_array_equal(halves.lengths[2][1], lengths[0][2][2:])
   with pytest.raises(ValueError, match="no files match"):
     schedsim.load_npz_trace(str(tmp_path / "nothing*.npz"))
   (tmp_path / "bad.jsonl").write_text('{"prompt_key": "a"}\n')
