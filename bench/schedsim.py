@@ -323,7 +323,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
         assert abs(res.tokens - lengths.sum()) < 1e-6, "simulator lost or invented tokens"
         results[name] = res
       oracle, fifo = results["oracle"], results["fifo"]
-      cut = lambda r: f"{100 * (1 - r.tail_ms / max(fifo.tail_ms, 1e-9)):.0f}%"
+      cut = lambda r: (f"{100 * (1 - r.tail_ms / fifo.tail_ms):.0f}%" if fifo.tail_ms > 0
+                       else "-")
       summary.append([trace.name, *sc.label().split(" | ")]
                      + [f"{results['history'].makespan_ms / 1e3:.2f}"]
                      + [f"{results[p].makespan_ms / oracle.makespan_ms:.3f}" for p in POLICIES[:-1]]
@@ -333,7 +334,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
           detail.append([trace.name, sc.label().split(" | ")[0], sc.label().split(" | ")[1],
                          name, f"{res.makespan_ms / 1e3:.2f}", f"{res.tail_ms / 1e3:.2f}",
                          f"{res.utilisation:.3f}", f"{res.makespan_ms / oracle.makespan_ms:.3f}",
-                         f"{res.tail_ms / max(oracle.tail_ms, 1e-9):.2f}", cut(res)])
+                         (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
+                         cut(res)])
         h = results["history"]
         notes.append(f"targets, {trace.name} [{sc.table} 1x{sc.slots}]: history makespan / "
                      f"oracle {h.makespan_ms / oracle.makespan_ms:.3f} (target <= 1.02; "
