@@ -1,0 +1,201 @@
+"""Admission order: which queued request takes a slot when one frees.
+
+A rollout waits for its longest response, so the longest work should start first (the list
+scheduling argument: a long request admitted last ends last). Policies see only request
+metadata (`RequestMeta`) and what has been generated so far; they never touch tokens or random
+keys, so the order changes when a request runs but never what it samples (the engine's keys
+depend on (seed, request_id, position) alone).
+
+Two ways an engine uses a policy:
+  queue = policy.order(metas)                       # once, before the first admission
+  while a slot is free and queue:                   # each time slots free up
+    i = policy.next_to_admit(queue, finished, live)  # finished: {request_id: length},
+    meta = queue.pop(i)                             # live: {request_id: tokens so far}
+Static policies (`online = False`) always return 0 from an ordered queue, so the engine may pop
+from the front; online ones (probe-first) re-rank as siblings finish. A policy assumes the
+request it returns is admitted.
+
+HistoPipe's cross-step alternation: `PredictedPolicy(..., step=k, alternate=True)` orders
+long->short on even steps and short->long on odd ones, so that when rollout and training
+overlap a worker slowed by long work at the end of one step starts the next with short work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from rhyme_jax.scheduling.predictor import LengthPredictor
+
+POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe", "oracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMeta:
+  """What scheduling knows of a request: ids, data order and size limits, never tokens."""
+
+  request_id: int
+  group_id: Hashable
+  prompt_key: Hashable
+  index: int  # position in data order: the tie-breaker, identical on every host
+  max_new_tokens: int = 0
+  prompt_len: int = 0
+
+  @classmethod
+  def from_request(cls, req, index: int) -> "RequestMeta":
+    """From a `rollout.engine.Request` (prompt_key defaults to the prompt tokens, as there)."""
+    key = req.prompt_key if req.prompt_key is not None else tuple(int(t) for t in req.prompt)
+    group = req.group_id if req.group_id is not None else req.request_id
+    return cls(int(req.request_id), group, key, int(index),
+               int(req.params.max_new_tokens), len(req.prompt))
+
+
+def metas_from_requests(requests: Sequence) -> list[RequestMeta]:
+  return [RequestMeta.from_request(r, i) for i, r in enumerate(requests)]
+
+
+class AdmissionPolicy(Protocol):
+  """See the module docstring."""
+
+  online: bool
+
+  def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]: ...
+
+  def next_to_admit(self, queue: Sequence[RequestMeta], finished: Mapping[int, int],
+                    live: Mapping[int, int]) -> int: ...
+
+
+def longest_first(lengths: Sequence[float], index: Sequence[int], reverse: bool = False
+                  ) -> list[int]:
+  """Positions sorted by length, longest first (shortest first if `reverse`); ties in data
+  order. A pure function: the same inputs give the same order on every host."""
+  lengths = np.asarray(lengths, np.float64)
+  sign = 1.0 if reverse else -1.0
+  return sorted(range(len(lengths)), key=lambda i: (sign * lengths[i], index[i]))
+
+
+class StaticPolicy:
+  """An order fixed before the rollout from a per-request score (higher runs first)."""
+
+  online = False
+
+  def __init__(self, name: str, score):
+    self.name, self._score = name, score
+
+  def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
+    scores = [self._score(m) for m in queue]
+    perm = longest_first(scores, [m.index for m in queue])
+    return [queue[i] for i in perm]
+
+  def next_to_admit(self, queue, finished, live) -> int:
+    del finished, live
+    if not queue:
+      raise IndexError(f"{self.name}.next_to_admit: empty queue")
+    return 0
+
+
+def fifo_policy() -> StaticPolicy:
+  return StaticPolicy("fifo", lambda m: -m.index)
+
+
+def random_policy(seed: int) -> StaticPolicy:
+  """A seeded random order (a baseline: what arrival order looks like with no structure)."""
+  rng = np.random.default_rng(seed)
+  cache: dict[int, float] = {}
+  return StaticPolicy("random", lambda m: cache.setdefault(m.request_id, float(rng.random())))
+
+
+def predicted_policy(predictor: LengthPredictor, step: int = 0, alternate: bool = False
+                     ) -> StaticPolicy:
+  """Longest predicted first; with `alternate`, shortest first on odd steps (HistoPipe)."""
+  sign = -1.0 if alternate and step % 2 else 1.0
+  return StaticPolicy("history_alt" if alternate else "history",
+                      lambda m: sign * predictor.predict(m.prompt_key).length)
+
+
+def oracle_policy(true_lengths: Mapping[int, int]) -> StaticPolicy:
+  """Longest true length first: the reference no predictor can beat by ordering alone."""
+  return StaticPolicy("oracle", lambda m: float(true_lengths[m.request_id]))
+
+
+class ContextAwarePolicy:
+  """Seer's context-aware scheduling for groups, optionally seeded by history.
+
+  A group no sibling of which has started is probed first: its first queued sample runs
+  before any other group's second one (probes in order of their history prediction, then data
+  order). Afterwards the group's estimate is the longest sibling seen so far, finished or still
+  running (a running sibling's length is a lower bound), or its history prediction if longer;
+  the queued request of the group with the longest estimate goes next.
+  """
+
+  online = True
+
+  def __init__(self, predictor: LengthPredictor | None = None):
+    self.name = "history_probe" if predictor is not None else "probe"
+    self.predictor = predictor
+    self._group: dict[int, Hashable] = {}
+    self._prior: dict[Hashable, float] = {}
+    self._started: set = set()
+
+  def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
+    self._group = {m.request_id: m.group_id for m in queue}
+    self._started = set()
+    self._prior = {}
+    if self.predictor is not None:
+      for m in queue:
+        if m.group_id not in self._prior:
+          p = self.predictor.predict(m.prompt_key)
+          self._prior[m.group_id] = p.length if p.known else 0.0
+    return sorted(queue, key=lambda m: (-self._prior.get(m.group_id, 0.0), m.index))
+
+  def group_estimates(self, finished: Mapping[int, int], live: Mapping[int, int]) -> dict:
+    """{group: longest sibling length seen (finished or running), or its history prior}."""
+    est = dict(self._prior)
+    for done in (finished, live):
+      for rid, n in done.items():
+        g = self._group.get(rid)
+        if g is not None and n > est.get(g, -1.0):
+          est[g] = float(n)
+    return est
+
+  def next_to_admit(self, queue, finished, live) -> int:
+    if not queue:
+      raise IndexError(f"{self.name}.next_to_admit: empty queue")
+    for rid in list(finished) + list(live):
+      if rid in self._group:
+        self._started.add(self._group[rid])
+    probes = [i for i, m in enumerate(queue) if m.group_id not in self._started]
+    if probes:
+      best = min(probes, key=lambda i: (-self._prior.get(queue[i].group_id, 0.0), queue[i].index))
+    else:
+      est = self.group_estimates(finished, live)
+      best = min(range(len(queue)), key=lambda i: (-est.get(queue[i].group_id, 0.0),
+                                                   queue[i].index))
+    self._started.add(queue[best].group_id)
+    return best
+
+
+def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,
+                seed: int = 0, true_lengths: Mapping[int, int] | None = None) -> AdmissionPolicy:
+  """A policy by name (one of POLICIES); names the missing input when one is needed."""
+  if name == "fifo":
+    return fifo_policy()
+  if name == "random":
+    return random_policy(seed)
+  if name in ("history", "history_alt", "history_probe") and predictor is None:
+    raise ValueError(f"admission policy {name!r} needs a length predictor")
+  if name == "history":
+    return predicted_policy(predictor, step)
+  if name == "history_alt":
+    return predicted_policy(predictor, step, alternate=True)
+  if name == "probe":
+    return ContextAwarePolicy()
+  if name == "history_probe":
+    return ContextAwarePolicy(predictor)
+  if name == "oracle":
+    if true_lengths is None:
+      raise ValueError("admission policy 'oracle' needs the true lengths")
+    return oracle_policy(true_lengths)
+  raise ValueError(f"admission policy {name!r}: expected one of {POLICIES}")

@@ -1,0 +1,205 @@
+"""Response-length prediction: from past epochs (HistoPipe) and from finished siblings (Seer).
+
+RL revisits every prompt once per epoch, and a prompt's response length is stable between epochs
+in *rank* (a hard problem stays long) even when the whole length distribution drifts (responses
+grow or shrink as the policy trains). So the predictor works in ranks: for each kept epoch it
+turns a prompt's group statistic (mean / max / a quantile of its G lengths) into a quantile rank
+among all prompts seen in that epoch, averages the ranks over the kept epochs (recent epochs
+weigh more), and maps the rank back to tokens through the newest epoch's distribution. With one
+epoch kept this is that epoch's statistic itself.
+
+Lengths come from a `LengthSource`: `StoreLengths` reads a `history.store.HistoryStore`,
+`LengthTable` holds lengths alone (simulator, tests, or a trainer that keeps no responses).
+
+The predictor also answers the engine's tail cost model (`remaining_tokens`): the expected
+number of tokens a live request still has to generate, given how many it already has, from the
+prompt's own past lengths (the empirical residual life E[L - n | L > n]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+STATS = ("mean", "max", "median", "q75", "q90")
+
+
+class LengthSource(Protocol):
+  """Read-only per-prompt response lengths by epoch (oldest epoch first)."""
+
+  def keys(self) -> Iterable[Hashable]: ...
+
+  def epoch_lengths(self, key: Hashable) -> Sequence[tuple[int, np.ndarray]]: ...
+
+
+class LengthTable:
+  """A `LengthSource` holding only lengths: {key: {epoch: int64[G]}}; keeps `epochs_kept`."""
+
+  def __init__(self, epochs_kept: int = 1):
+    if epochs_kept < 1:
+      raise ValueError(f"LengthTable: epochs_kept must be >= 1, got {epochs_kept}")
+    self.epochs_kept = int(epochs_kept)
+    self._table: dict[Hashable, dict[int, np.ndarray]] = {}
+
+  def add(self, key: Hashable, epoch: int, lengths: Sequence[int]) -> None:
+    """Records lengths of `key` in `epoch` (appended to that epoch's when it has some)."""
+    arr = np.asarray(lengths, np.int64).reshape(-1)
+    if arr.size and arr.min() < 0:
+      raise ValueError(f"LengthTable.add: negative length for key {key!r}")
+    per_epoch = self._table.setdefault(key, {})
+    per_epoch[int(epoch)] = np.concatenate([per_epoch.get(int(epoch), np.zeros(0, np.int64)), arr])
+    for old in sorted(per_epoch)[:-self.epochs_kept]:
+      del per_epoch[old]
+
+  def keys(self) -> list[Hashable]:
+    return list(self._table)
+
+  def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
+    per_epoch = self._table.get(key, {})
+    return [(e, per_epoch[e]) for e in sorted(per_epoch)]
+
+
+class StoreLengths:
+  """A `LengthSource` over a `HistoryStore`, without touching its LRU order.
+
+  Uses `store.epoch_lengths(key)` when the store has it; otherwise reads the store's entries
+  directly (a scheduling look-up must not count as a use; `HistoryStore.predicted_length` reads
+  them the same way).
+  """
+
+  def __init__(self, store):
+    self.store = store
+
+  def keys(self) -> list[Hashable]:
+    return list(self.store.keys())
+
+  def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
+    if hasattr(self.store, "epoch_lengths"):
+      return list(self.store.epoch_lengths(key))
+    groups = self.store._entries.get(key) or []  # pylint: disable=protected-access
+    return [(g.epoch, g.lengths) for g in groups if len(g.responses)]
+
+
+def group_stat(lengths: np.ndarray, stat: str) -> float:
+  """One number summarising a group's lengths (the group's predicted per-sample length)."""
+  lengths = np.asarray(lengths, np.float64)
+  if stat == "mean":
+    return float(lengths.mean())
+  if stat == "max":
+    return float(lengths.max())
+  if stat == "median":
+    return float(np.median(lengths))
+  if stat in ("q75", "q90"):
+    return float(np.quantile(lengths, int(stat[1:]) / 100))
+  raise ValueError(f"group_stat: stat={stat!r}: expected one of {STATS}")
+
+
+def _quantile_rank(values: np.ndarray, x: float) -> float:
+  """Rank of x among sorted `values` in [0, 1], the inverse of `np.quantile`'s linear
+  interpolation (position / (n - 1)); ties take their middle position."""
+  if len(values) == 1:
+    return 0.5
+  lo = np.searchsorted(values, x, side="left")
+  hi = np.searchsorted(values, x, side="right")
+  if lo == hi:  # not in the population: interpolate between its neighbours
+    if lo == 0 or lo == len(values):
+      return 0.0 if lo == 0 else 1.0
+    a, b = values[lo - 1], values[lo]
+    return float((lo - 1 + (x - a) / (b - a)) / (len(values) - 1))
+  return float((lo + hi - 1) / 2 / (len(values) - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Per-sample predicted length of a prompt's responses, and whether history backs it."""
+
+  length: float
+  known: bool
+
+
+class LengthPredictor:
+  """Predicts per-prompt response lengths from the epochs a `LengthSource` keeps.
+
+  stat: the group statistic ranked per epoch ("max" predicts a group's tail, "mean" its work).
+  recency: weight of an epoch relative to the next newer one when ranks are averaged.
+  """
+
+  def __init__(self, source: LengthSource, stat: str = "mean", recency: float = 0.5):
+    if stat not in STATS:
+      raise ValueError(f"LengthPredictor: stat={stat!r}: expected one of {STATS}")
+    if not 0 < recency <= 1:
+      raise ValueError(f"LengthPredictor: recency={recency}: must be in (0, 1]")
+    self.source, self.stat, self.recency = source, stat, float(recency)
+    self._population: dict[int, np.ndarray] | None = None
+    self._all_lengths: np.ndarray | None = None
+
+  def refresh(self) -> None:
+    """Forgets the cached populations (call after the history changed)."""
+    self._population = None
+    self._all_lengths = None
+
+  def _populations(self) -> dict[int, np.ndarray]:
+    """Sorted group statistics of every prompt, per epoch."""
+    if self._population is None:
+      per_epoch: dict[int, list[float]] = {}
+      for key in self.source.keys():
+        for epoch, lengths in self.source.epoch_lengths(key):
+          if len(lengths):
+            per_epoch.setdefault(epoch, []).append(group_stat(lengths, self.stat))
+      self._population = {e: np.sort(np.asarray(v)) for e, v in per_epoch.items()}
+    return self._population
+
+  def predict(self, key: Hashable) -> Prediction:
+    """The prompt's predicted per-sample length; unknown prompts get the population median."""
+    pops = self._populations()
+    if not pops:
+      return Prediction(0.0, False)
+    newest = pops[max(pops)]
+    history = [(e, l) for e, l in self.source.epoch_lengths(key) if len(l)]
+    if not history:
+      return Prediction(float(np.median(newest)), False)
+    if len(history) == 1 and history[0][0] == max(pops):
+      return Prediction(group_stat(history[0][1], self.stat), True)
+    latest = max(e for e, _ in history)
+    ranks, weights = [], []
+    for epoch, lengths in history:
+      ranks.append(_quantile_rank(pops[epoch], group_stat(lengths, self.stat)))
+      weights.append(self.recency ** (latest - epoch))
+    rank = float(np.average(ranks, weights=weights))
+    return Prediction(float(np.quantile(newest, min(max(rank, 0.0), 1.0))), True)
+
+  def predict_many(self, keys: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+    """(float64[R] predicted lengths, bool[R] known) for `keys`."""
+    preds = [self.predict(k) for k in keys]
+    return (np.array([p.length for p in preds], np.float64),
+            np.array([p.known for p in preds], bool))
+
+  # ---- tail cost model hook -----------------------------------------------------------------
+
+  def remaining_tokens(self, key: Hashable, generated: int, max_new_tokens: int) -> float:
+    """Expected tokens still to come for a live request of prompt `key` with `generated` tokens.
+
+    E[L - n | L > n] over the prompt's kept lengths; over every prompt's when the request
+    already outran its own history; half the remaining room when it outran all history (no
+    evidence either way). Always in [1, max_new_tokens - generated] while room is left.
+    """
+    room = max_new_tokens - generated
+    if room <= 0:
+      return 0.0
+    own = [l for _, l in self.source.epoch_lengths(key)]
+    if self._all_lengths is None:
+      every = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
+      self._all_lengths = np.concatenate(every).astype(np.float64) if every else np.zeros(0)
+    for lengths in (np.concatenate(own).astype(np.float64) if own else np.zeros(0),
+                    self._all_lengths):
+      longer = lengths[lengths > generated]
+      if longer.size:
+        return float(np.clip(longer.mean() - generated, 1.0, room))
+    return max(room / 2, 1.0)
+
+  def remaining_work(self, live: Mapping[Hashable, tuple[Hashable, int, int]]) -> dict:
+    """{request_id: expected remaining tokens} for live requests given as
+    {request_id: (prompt_key, generated, max_new_tokens)}."""
+    return {rid: self.remaining_tokens(k, n, m) for rid, (k, n, m) in live.items()}

@@ -1,0 +1,191 @@
+"""A discrete-event model of the SPMD rollout: what an admission order does to a step's makespan.
+
+Each of D shards (data-parallel replicas / hosts) runs the engine's loop: `slots` rows, refilled
+from its queue as requests finish; once its queue is empty the live requests move into the
+smallest bucket that holds them (with `shrink`); every step costs the measured time of its
+(bucket, budget) shape (`StepTimeTable`) and advances each live request by one token, or by the
+mean accepted length where speculating is cheaper per token (`best_budget`). Admissions cost a
+prefill of the prompt at `prefill_ms_per_token`. Lengths are the requests' true (recorded)
+lengths; the policy under test never sees them (except the oracle's).
+
+Divided rollout (Seer, `chunk` > 0): a request yields its slot after every `chunk` tokens and
+rejoins the queue of the shard with the fewest live + queued requests (its own on ties; ahead
+of requests not yet started, under a static order), and a shard whose queue ran dry takes
+requests from the longest other queue, so work moves off a loaded shard mid-response and the
+tail spreads over shards (smaller buckets each). Resuming on the shard it left costs nothing (its KV stays there);
+resuming elsewhere costs a re-prefill of prompt + generated tokens (no global KV pool here).
+
+The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
+frees, `should_yield(generated_since_admission)` from `DividedRollout` after each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+from rhyme_jax.scheduling.admission import AdmissionPolicy, RequestMeta
+from rhyme_jax.scheduling.step_time import StepTimeTable, bucket_for
+
+
+@dataclasses.dataclass(frozen=True)
+class DividedRollout:
+  """Seer's divided rollout: a live request yields its slot after `chunk` tokens (0 = never)."""
+
+  chunk: int = 0
+
+  def should_yield(self, generated_since_admission: float) -> bool:
+    return self.chunk > 0 and generated_since_admission >= self.chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  slots: int = 64  # rows per shard (its largest bucket)
+  buckets: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
+  shrink: bool = True  # move the tail into smaller buckets (else every step runs `slots` rows)
+  shards: int = 1
+  accepted: tuple[tuple[int, float], ...] = ()  # speculation: (budget, mean accepted length)
+  prefill_ms_per_token: float = 0.0
+  divided: DividedRollout = DividedRollout()
+
+  def __post_init__(self):
+    if self.slots < 1 or self.shards < 1:
+      raise ValueError(f"SimConfig: slots={self.slots}, shards={self.shards}: must be >= 1")
+    if self.slots not in self.buckets:
+      raise ValueError(f"SimConfig: slots={self.slots} must be one of buckets={self.buckets}")
+    for budget, a in self.accepted:
+      if not 1.0 <= a <= budget + 1:
+        raise ValueError(f"SimConfig: accepted length {a} at budget {budget} must lie in "
+                         f"[1, budget + 1]")
+
+
+@dataclasses.dataclass
+class _Job:
+  meta: RequestMeta
+  length: int
+  progress: float = 0.0
+  since: float = 0.0  # progress when last admitted
+  shard: int = -1  # shard it last ran on
+
+
+@dataclasses.dataclass
+class SimResult:
+  finish_ms: np.ndarray  # per request, in input order
+  makespan_ms: float
+  tail_ms: float  # time to finish the last 10% of requests
+  utilisation: float  # live row-time / (shards x slots x makespan)
+  steps: int
+  spec_steps: int
+  tokens: float  # tokens generated (equals the sum of lengths)
+  prefill_tokens: int
+  migrations: int  # resumptions on another shard (divided rollout)
+  shard_end_ms: np.ndarray
+
+
+def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
+  """Makespan minus the time by which all but the last `share` of requests had finished."""
+  done = np.sort(np.asarray(finish_ms, np.float64))
+  k = max(int(math.ceil((1 - share) * len(done))), 1)
+  return float(done[-1] - done[k - 1])
+
+
+def simulate(jobs: Sequence[tuple[RequestMeta, int]],
+             make_policy: Callable[[], AdmissionPolicy], table: StepTimeTable,
+             config: SimConfig = SimConfig(),
+             plan: Mapping[Hashable, int] | None = None) -> SimResult:
+  """Runs every (request, true length) to completion; `plan` maps group -> shard (required
+  when shards > 1)."""
+  cfg = config
+  buckets = tuple(b for b in cfg.buckets if b <= cfg.slots)
+  accepted = dict(cfg.accepted)
+  divided = cfg.divided.chunk > 0
+  if cfg.shards > 1 and plan is None:
+    raise ValueError("simulate: shards > 1 needs a plan (group -> shard)")
+  work = [_Job(m, int(n)) for m, n in jobs]
+  if any(j.length < 1 for j in work):
+    raise ValueError("simulate: every request needs a true length >= 1")
+  queues: list[list[_Job]] = [[] for _ in range(cfg.shards)]
+  for j in work:
+    q = 0 if plan is None else plan[j.meta.group_id]
+    if not 0 <= q < cfg.shards:
+      raise ValueError(f"simulate: plan sends group {j.meta.group_id!r} to shard {q} of "
+                       f"{cfg.shards}")
+    queues[q].append(j)
+  policies = [make_policy() for _ in range(cfg.shards)]
+  for q in range(cfg.shards):  # the policy's opening order
+    by_id = {j.meta.request_id: j for j in queues[q]}
+    queues[q] = [by_id[m.request_id] for m in policies[q].order([j.meta for j in queues[q]])]
+
+  finished: dict[int, int] = {}
+  live_len: dict[int, int] = {}
+  finish_at: dict[int, float] = {}
+  t = [0.0] * cfg.shards
+  rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
+  steps = spec_steps = prefill_tokens = migrations = 0
+  tokens = busy = now = 0.0
+
+  def donor(s: int) -> int | None:
+    """Where shard `s` admits from: its own queue; once that is dry (divided rollout), the
+    longest other queue of a shard holding at least two more requests (so work never moves
+    back and forth between balanced shards)."""
+    if queues[s] or not divided:
+      return s if queues[s] else None
+    others = [d for d in range(cfg.shards) if d != s and queues[d]
+              and len(rows[d]) + len(queues[d]) >= len(rows[s]) + 2]
+    return max(others, key=lambda d: (len(queues[d]), -d)) if others else None
+
+  while True:
+    active = [s for s in range(cfg.shards) if rows[s] or donor(s) is not None]
+    if not active:
+      break
+    s = min(active, key=lambda s: (t[s] if rows[s] else max(t[s], now), s))
+    t[s] = max(t[s], now) if not rows[s] else t[s]  # an idle shard wakes when work appears
+    now = t[s]
+    prefill = 0
+    while len(rows[s]) < cfg.slots and (d := donor(s)) is not None:
+      queue = queues[d]
+      j = queue.pop(policies[d].next_to_admit([x.meta for x in queue], finished, live_len))
+      if j.progress == 0 or j.shard != s:
+        prefill += j.meta.prompt_len + int(j.progress)
+        migrations += j.progress > 0
+      j.shard, j.since = s, j.progress
+      rows[s].append(j)
+      live_len[j.meta.request_id] = int(j.progress)
+    prefill_tokens += prefill
+    t[s] += prefill * cfg.prefill_ms_per_token
+    live = len(rows[s])
+    bucket = bucket_for(live, buckets) if cfg.shrink else cfg.slots
+    budget, advance = table.best_budget(bucket, accepted) if accepted else (0, 1.0)
+    dt = table.ms(bucket, budget)
+    t[s] += dt
+    steps += 1
+    spec_steps += budget > 0
+    busy += live * dt
+    keep, yielded = [], []
+    for j in rows[s]:
+      step_tokens = min(advance, j.length - j.progress)
+      j.progress += step_tokens
+      tokens += step_tokens
+      rid = j.meta.request_id
+      if j.progress >= j.length:
+        finished[rid] = j.length
+        finish_at[rid] = t[s]
+        live_len.pop(rid, None)
+        continue
+      live_len[rid] = int(j.progress)
+      (yielded if cfg.divided.should_yield(j.progress - j.since) else keep).append(j)
+    rows[s] = keep
+    for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
+      d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
+      if policies[d].online:
+        queues[d].append(j)
+      else:  # started requests outrank every request still waiting under a static order
+        queues[d].insert(sum(x.progress > 0 for x in queues[d]), j)
+  finish = np.array([finish_at[j.meta.request_id] for j in work], np.float64)
+  makespan = float(finish.max()) if len(finish) else 0.0
+  return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
+                   busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
+                   tokens, prefill_tokens, migrations, np.array(t))

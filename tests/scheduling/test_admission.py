@@ -1,0 +1,109 @@
+"""Admission orders: static policies (fifo, history, alternation, oracle), Seer's probe-first
+online policy, and metadata from the engine's real Request type."""
+
+import pytest
+
+from rhyme_jax.rollout.engine import Request
+from rhyme_jax.rollout.sampling import SamplingParams
+from rhyme_jax.scheduling.admission import (ContextAwarePolicy, RequestMeta, longest_first,
+                                            make_policy, metas_from_requests)
+from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+
+
+def _metas(groups=3, size=3):
+  return [RequestMeta(g * size + j, f"g{g}", f"p{g}", g * size + j, 512)
+          for g in range(groups) for j in range(size)]
+
+
+def _predictor(lengths_by_prompt):
+  table = LengthTable()
+  for key, lengths in lengths_by_prompt.items():
+    table.add(key, 0, lengths)
+  return LengthPredictor(table, "mean")
+
+
+def _drain(policy, metas, finish=None):
+  """Admits everything, one request at a time, as an engine would; returns request ids."""
+  queue = policy.order(metas)
+  finished, live, out = {}, {}, []
+  while queue:
+    m = queue.pop(policy.next_to_admit(queue, finished, live))
+    out.append(m.request_id)
+    live[m.request_id] = 0
+    if finish and m.request_id in finish:
+      finished[m.request_id] = finish[m.request_id]
+      del live[m.request_id]
+  return out
+
+
+def test_longest_first_is_stable_in_data_order():
+  assert longest_first([3, 5, 3, 1], [0, 1, 2, 3]) == [1, 0, 2, 3]
+  assert longest_first([3, 5, 3, 1], [0, 1, 2, 3], reverse=True) == [3, 0, 2, 1]
+  assert longest_first([3, 3], [9, 4]) == [1, 0]
+
+
+def test_static_orders():
+  metas = _metas()
+  pred = _predictor({"p0": [10, 10], "p1": [300, 100], "p2": [50]})
+  assert _drain(make_policy("fifo"), metas) == list(range(9))
+  assert _drain(make_policy("history", predictor=pred), metas) == [3, 4, 5, 6, 7, 8, 0, 1, 2]
+  alt_even = make_policy("history_alt", predictor=pred, step=2)
+  alt_odd = make_policy("history_alt", predictor=pred, step=3)
+  assert _drain(alt_even, metas) == [3, 4, 5, 6, 7, 8, 0, 1, 2]
+  assert _drain(alt_odd, metas) == [0, 1, 2, 6, 7, 8, 3, 4, 5]
+  truth = {m.request_id: 100 - m.request_id for m in metas}
+  assert _drain(make_policy("oracle", true_lengths=truth), metas) == list(range(9))
+  order = _drain(make_policy("random", seed=3), metas)
+  assert sorted(order) == list(range(9)) and order == _drain(make_policy("random", seed=3), metas)
+
+
+def test_probe_first_runs_one_sample_per_group_then_the_longest_estimate():
+  metas = _metas()
+  policy = ContextAwarePolicy()
+  queue = policy.order(metas)
+  finished, live, admitted = {}, {}, []
+  for _ in range(3):  # three free slots: one probe per group, in data order
+    m = queue.pop(policy.next_to_admit(queue, finished, live))
+    admitted.append(m.request_id)
+    live[m.request_id] = 0
+  assert admitted == [0, 3, 6]
+  # The probe of g1 finished at 40 tokens, g0's is still running at 90: g0 is the longest.
+  finished[3] = 40
+  del live[3]
+  live[0], live[6] = 90, 20
+  m = queue.pop(policy.next_to_admit(queue, finished, live))
+  assert m.group_id == "g0"
+  live[m.request_id] = 0
+  live[0] = 95
+  del live[0]
+  finished[0] = 95
+  # Now g0 (95) > g1 (40) > g2 (20 so far).
+  nxt = [queue.pop(policy.next_to_admit(queue, finished, live)).group_id for _ in range(5)]
+  assert nxt == ["g0", "g1", "g1", "g2", "g2"]
+
+
+def test_history_probe_uses_the_prior_and_lets_siblings_override_it():
+  metas = _metas()
+  pred = _predictor({"p0": [10], "p1": [30], "p2": [20]})  # p0..p2 all known
+  policy = make_policy("history_probe", predictor=pred)
+  queue = policy.order(metas)
+  first = [queue.pop(policy.next_to_admit(queue, {}, {})).group_id for _ in range(3)]
+  assert first == ["g1", "g2", "g0"]  # probes by prior, longest first
+  nxt = queue[policy.next_to_admit(queue, {0: 500}, {})]  # g0's probe ran 500 tokens
+  assert nxt.group_id == "g0"
+
+
+def test_meta_from_the_engine_request_and_bad_names():
+  reqs = [Request(7, [1, 2, 3], SamplingParams(max_new_tokens=33), group_id="g", prompt_key="k"),
+          Request(8, [4, 5], SamplingParams(max_new_tokens=9))]
+  a, b = metas_from_requests(reqs)
+  assert a == RequestMeta(7, "g", "k", 0, 33, 3)
+  assert b.prompt_key == (4, 5) and b.group_id == 8 and b.index == 1
+  with pytest.raises(ValueError, match="needs a length predictor"):
+    make_policy("history")
+  with pytest.raises(ValueError, match="needs the true lengths"):
+    make_policy("oracle")
+  with pytest.raises(ValueError, match="expected one of"):
+    make_policy("lifo")
+  with pytest.raises(IndexError, match="empty queue"):
+    make_policy("fifo").next_to_admit([], {}, {})

@@ -1,0 +1,114 @@
+"""LengthPredictor on synthetic histories: group statistics, rank mapping across drifting
+epochs, unknown prompts, the HistoryStore adapter, and the tail hook (remaining tokens)."""
+
+import numpy as np
+import pytest
+
+from rhyme_jax.history.store import HistoryStore
+from rhyme_jax.scheduling.predictor import (LengthPredictor, LengthTable, StoreLengths,
+                                            group_stat)
+
+
+def _spearman(a, b):
+  ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+  return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def test_one_epoch_predicts_the_group_statistic():
+  table = LengthTable()
+  table.add("a", 0, [10, 20, 60])
+  table.add("b", 0, [5, 5, 8])
+  for stat, want_a in [("mean", 30.0), ("max", 60.0), ("median", 20.0)]:
+    p = LengthPredictor(table, stat=stat).predict("a")
+    assert p.known and p.length == pytest.approx(want_a)
+  assert group_stat(np.array([0, 100]), "q90") == pytest.approx(90.0)
+
+
+def test_unknown_prompt_gets_the_population_median_and_is_marked_unknown():
+  table = LengthTable()
+  for i, n in enumerate([10, 20, 30, 40, 1000]):
+    table.add(i, 0, [n, n])
+  p = LengthPredictor(table, stat="mean").predict("never seen")
+  assert not p.known and p.length == 30.0
+  empty = LengthPredictor(LengthTable()).predict("x")
+  assert not empty.known and empty.length == 0.0
+
+
+def test_ranks_carry_an_old_epoch_into_the_newest_epoch_scale():
+  # Every response doubled between epochs; prompt 'e' was not seen in the newest epoch: its
+  # old rank (the longest) must map to the newest epoch's long end, not to its old length.
+  table = LengthTable(epochs_kept=2)
+  for key, n in zip("abcde", [10, 20, 30, 40, 50]):
+    table.add(key, 0, [n] * 4)
+    if key != "e":
+      table.add(key, 1, [2 * n] * 4)
+  pred = LengthPredictor(table, stat="mean", recency=1.0)
+  assert pred.predict("e").length >= 70.0  # newest population: 20, 40, 60, 80
+  for key, n in zip("abcd", [10, 20, 30, 40]):  # same rank in both epochs: newest scale
+    assert pred.predict(key).length == pytest.approx(2 * n, rel=0.2)
+  order = np.argsort([-pred.predict(k).length for k in "abcde"])
+  assert list(order) == [4, 3, 2, 1, 0]
+
+
+def test_two_epochs_rank_better_than_one_on_noisy_synthetic_histories():
+  rng = np.random.default_rng(0)
+  difficulty = rng.lognormal(5.0, 0.5, size=300)
+
+  def epoch_lengths(scale):
+    return np.clip(difficulty[:, None] * scale * rng.lognormal(0, 0.6, (300, 8)), 1, 4096)
+
+  past = [epoch_lengths(1.0), epoch_lengths(1.3)]  # drift: responses grow 30%
+  truth = epoch_lengths(1.5).mean(1)
+  one, two = LengthTable(1), LengthTable(2)
+  for e, lengths in enumerate(past):
+    for i in range(300):
+      one.add(i, e, lengths[i].astype(int))
+      two.add(i, e, lengths[i].astype(int))
+  rho = {}
+  for name, table in [("one", one), ("two", two)]:
+    pred, known = LengthPredictor(table, "mean", recency=1.0).predict_many(list(range(300)))
+    assert known.all()
+    rho[name] = _spearman(pred, truth)
+  assert rho["one"] > 0.6
+  assert rho["two"] > rho["one"] + 0.02
+
+
+def test_store_adapter_matches_a_length_table_and_leaves_lru_order_alone():
+  store, table = HistoryStore(epochs_kept=2), LengthTable(epochs_kept=2)
+  rng = np.random.default_rng(1)
+  for epoch in range(3):
+    for key in ["p", "q", "r"]:
+      responses = [rng.integers(0, 50, size=int(n)) for n in rng.integers(1, 40, size=4)]
+      store.add_group(key, epoch, responses)
+      table.add(key, epoch, [len(r) for r in responses])
+  lru = store.keys()
+  a, b = LengthPredictor(StoreLengths(store), "max"), LengthPredictor(table, "max")
+  for key in ["p", "q", "r", "zz"]:
+    assert a.predict(key) == b.predict(key)
+    assert a.remaining_tokens(key, 5, 64) == b.remaining_tokens(key, 5, 64)
+  assert store.keys() == lru
+
+
+def test_remaining_tokens_is_the_empirical_residual_life():
+  table = LengthTable()
+  table.add("a", 0, [10, 20, 30])
+  table.add("b", 0, [100, 200])
+  pred = LengthPredictor(table)
+  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)
+  assert pred.remaining_tokens("a", 15, 1000) == pytest.approx(10.0)  # E[L | L > 15] = 25
+  # Outran its own history: every prompt's lengths above 35 (100, 200) -> 150 - 35.
+  assert pred.remaining_tokens("a", 35, 1000) == pytest.approx(115.0)
+  assert pred.remaining_tokens("a", 300, 1000) == pytest.approx(350.0)  # no evidence: room/2
+  assert pred.remaining_tokens("a", 15, 20) == pytest.approx(5.0)  # capped at the room left
+  assert pred.remaining_tokens("a", 20, 20) == 0.0
+  work = pred.remaining_work({7: ("a", 15, 1000), 8: ("b", 0, 1000)})
+  assert work == {7: pytest.approx(10.0), 8: pytest.approx(150.0)}
+
+
+def test_bad_arguments_name_themselves():
+  with pytest.raises(ValueError, match="stat="):
+    LengthPredictor(LengthTable(), stat="p99")
+  with pytest.raises(ValueError, match="recency="):
+    LengthPredictor(LengthTable(), recency=0.0)
+  with pytest.raises(ValueError, match="negative length"):
+    LengthTable().add("a", 0, [3, -1])

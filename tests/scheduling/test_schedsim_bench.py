@@ -1,0 +1,64 @@
+"""bench/schedsim.py: reading recorded rollouts (.npz) and JSONL traces, and one full run on a
+small trace (every policy and scenario; the simulator's token check runs inside)."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import schedsim  # noqa: E402
+
+
+def _write_recording(path, epoch, lengths_PxG, keys):
+  p, g = lengths_PxG.shape
+  np.savez(path, tokens=np.zeros(int(lengths_PxG.sum()), np.int32),
+           lengths=lengths_PxG.reshape(-1).astype(np.int64),
+           request_ids=np.arange(p * g, dtype=np.int64),
+           prompt_index=np.repeat(np.arange(p), g).astype(np.int64),
+           finish=np.array(["eos"] * (p * g)), prompt_tokens=np.zeros(10 * p, np.int32),
+           prompt_lengths=np.full(p, 10, np.int64), prompt_keys=np.array(keys),
+           meta_json=json.dumps({"epoch": epoch, "temperature": 0.6}))
+
+
+def test_npz_and_jsonl_traces_round_trip(tmp_path):
+  rng = np.random.default_rng(0)
+  keys = [f"k{i}" for i in range(6)]
+  lengths = [rng.integers(5, 90, (6, 4)) for _ in range(2)]
+  for e in range(2):
+    _write_recording(tmp_path / f"gsm8k_T0.6_e{e}_p0-6.npz", e, lengths[e], keys)
+  trace = schedsim.load_npz_trace(str(tmp_path / "gsm8k_T0.6_e*.npz"))
+  assert trace.keys == keys and trace.epochs == [0, 1] and trace.prompt_len == [10] * 6
+  for i in range(6):
+    np.testing.assert_array_equal(trace.lengths[i][1], lengths[1][i])
+  schedsim.write_trace(trace, str(tmp_path / "t.jsonl"))
+  again = schedsim.load_trace(str(tmp_path / "t.jsonl"))
+  assert again.keys == trace.keys
+  assert all((a[e] == b[e]).all() for a, b in zip(again.lengths, trace.lengths) for e in (0, 1))
+  one = schedsim.load_npz_trace(str(tmp_path / "gsm8k_T0.6_e0*.npz"))
+  halves = schedsim.split_groups(one)
+  assert halves.epochs == [0, 1]
+  np.testing.assert_array_equal(halves.lengths[2][1], lengths[0][2][2:])
+  with pytest.raises(ValueError, match="no files match"):
+    schedsim.load_npz_trace(str(tmp_path / "nothing*.npz"))
+  (tmp_path / "bad.jsonl").write_text('{"prompt_key": "a"}\n')
+  with pytest.raises(ValueError, match="bad.jsonl:1"):
+    schedsim.load_trace(str(tmp_path / "bad.jsonl"))
+
+
+def test_full_run_on_a_small_trace(tmp_path, capsys):
+  trace = schedsim.synthetic_trace(3, num_prompts=8, group_size=4, max_new_tokens=64)
+  schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
+  schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
+                 "--no_append"])
+  out = capsys.readouterr().out
+  lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 10, 18)}
+  num_scenarios = len(schedsim.scenarios(schedsim.argparse.Namespace(
+      accepted=1.7, budget=16, chunk=64, plans="data_order,lpt_history,lpt_oracle")))
+  assert by_width == {6: 8, 10: 2 * len(schedsim.POLICIES), 18: num_scenarios}
+  assert len(lines) == sum(by_width.values())
+  assert "targets, small.jsonl" in out

@@ -1,0 +1,111 @@
+"""The rollout simulator: hand-computed schedules, invariants (everything finishes, tokens are
+conserved, utilisation <= 1) over policies and configurations, the step-time table, and the
+divided rollout moving work off a loaded shard."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rhyme_jax.scheduling.admission import POLICIES, RequestMeta, make_policy
+from rhyme_jax.scheduling.assignment import plan_shards
+from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+from rhyme_jax.scheduling.simulate import DividedRollout, SimConfig, simulate, tail_time
+from rhyme_jax.scheduling.step_time import StepTimeTable
+
+FLAT = StepTimeTable({(1, 0): 1.0, (64, 0): 1.0})
+
+
+def _jobs(lengths, group_size=1, prompt_len=0):
+  return [(RequestMeta(i, i // group_size, f"p{i // group_size}", i, 4096, prompt_len), n)
+          for i, n in enumerate(lengths)]
+
+
+def _truth(jobs):
+  return {m.request_id: n for m, n in jobs}
+
+
+def test_hand_computed_schedules():
+  cfg = SimConfig(slots=2, buckets=(2, 1))
+  jobs = _jobs([1, 1, 1, 3])
+  fifo = simulate(jobs, lambda: make_policy("fifo"), FLAT, cfg)
+  # Steps: {0,1} -> both done; {2,3}; 2 done, 3 alone for two more steps: ends at 4.
+  assert list(fifo.finish_ms) == [1.0, 1.0, 2.0, 4.0] and fifo.steps == 4
+  oracle = simulate(jobs, lambda: make_policy("oracle", true_lengths=_truth(jobs)), FLAT, cfg)
+  assert oracle.makespan_ms == 3.0  # 3 first, the three 1s beside it
+  assert tail_time(np.array([1.0, 2, 3, 4, 5, 6, 7, 8, 9, 20])) == 11.0
+
+
+def test_bucket_shrinking_and_speculation_follow_the_table():
+  table = StepTimeTable({(1, 0): 1.0, (2, 0): 2.0, (1, 4): 1.5, (2, 4): 5.0})
+  jobs = _jobs([4, 1])
+  fifo = lambda: make_policy("fifo")
+  shrink = simulate(jobs, fifo, table, SimConfig(slots=2, buckets=(2, 1)))
+  assert shrink.makespan_ms == 2.0 + 3 * 1.0  # one step of 2 rows, then 1 row
+  fixed = simulate(jobs, fifo, table, SimConfig(slots=2, buckets=(2, 1), shrink=False))
+  assert fixed.makespan_ms == 4 * 2.0
+  # Accepted length 2 at budget 4: worth it at 1 row (1.5 / 2 < 1), not at 2 (5 / 2 > 2).
+  spec = simulate(jobs, fifo, table, SimConfig(slots=2, buckets=(2, 1), accepted=((4, 2.0),)))
+  assert spec.makespan_ms == 2.0 + 1.5 + 1.5 and spec.spec_steps == 2
+  assert spec.tokens == 5
+
+
+@pytest.mark.parametrize("divided", [0, 7])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_every_request_finishes_and_tokens_are_conserved(shards, divided):
+  rng = np.random.default_rng(shards * 10 + divided)
+  lengths = rng.integers(1, 120, size=96)
+  jobs = _jobs(lengths, group_size=8, prompt_len=20)
+  table = StepTimeTable({(1, 0): 2.0, (16, 0): 9.0, (1, 8): 2.5, (16, 8): 20.0})
+  history = LengthTable()
+  for g in range(12):
+    history.add(f"p{g}", 0, lengths[8 * g:8 * g + 8] + rng.integers(-20, 20, 8).clip(0))
+  pred = LengthPredictor(history)
+  plan = plan_shards([m for m, _ in jobs], pred, shards)
+  cfg = SimConfig(slots=16, buckets=(16, 8, 4, 2, 1), shards=shards, prefill_ms_per_token=0.5,
+                  accepted=((8, 1.8),), divided=DividedRollout(divided))
+  for name in POLICIES:
+    res = simulate(jobs, lambda: make_policy(name, predictor=pred, step=1, seed=1,
+                                             true_lengths=_truth(jobs)), table, cfg, plan)
+    assert res.tokens == pytest.approx(lengths.sum())
+    assert np.all(res.finish_ms > 0) and res.makespan_ms == res.finish_ms.max()
+    assert 0 < res.utilisation <= 1
+    assert res.prefill_tokens >= 20 * len(jobs)
+    # No request finishes before its own tokens could have been generated.
+    fastest = min(table.ms(1, 0), table.ms(1, 8) / 1.8)
+    assert np.all(res.finish_ms >= np.ceil(lengths / 1.8) * fastest - 1e-9)
+
+
+def test_divided_rollout_moves_work_off_a_loaded_shard():
+  # Step time grows with the bucket: a tail spread over two shards runs in smaller buckets.
+  linear = StepTimeTable({(1, 0): 1.0, (4, 0): 4.0})
+  jobs = _jobs([200] * 4 + [100] * 4, group_size=4)
+  plan = {0: 0, 1: 1}  # shard 0 gets the long group, shard 1 the short one
+  fifo = lambda: make_policy("fifo")
+  whole = simulate(jobs, fifo, linear, SimConfig(slots=4, buckets=(4, 2, 1), shards=2), plan)
+  divided = simulate(jobs, fifo, linear,
+                     SimConfig(slots=4, buckets=(4, 2, 1), shards=2,
+                               divided=DividedRollout(20)), plan)
+  assert whole.makespan_ms == 800.0 and whole.migrations == 0
+  assert divided.migrations > 0 and divided.makespan_ms < 0.85 * whole.makespan_ms
+  assert divided.tokens == whole.tokens
+
+
+def test_step_time_table_interpolates_and_rejects_bad_input(tmp_path):
+  t = StepTimeTable({(1, 0): 2.0, (9, 0): 10.0, (1, 8): 4.0, (9, 8): 20.0})
+  assert t.ms(5, 0) == pytest.approx(6.0) and t.ms(5, 4) == pytest.approx(9.0)
+  assert t.ms(17, 0) == pytest.approx(18.0)  # extrapolated past the largest bucket
+  noisy = StepTimeTable({(1, 0): 3.0, (8, 0): 2.0})
+  assert noisy.ms(8, 0) == 3.0  # a larger bucket never runs faster
+  with pytest.raises(ValueError, match=r"missing \(bucket=9, budget=8\)"):
+    StepTimeTable({(1, 0): 1.0, (9, 0): 2.0, (1, 8): 3.0})
+  with pytest.raises(ValueError, match="beyond the measured"):
+    t.ms(1, 16)
+  path = tmp_path / "steps.json"
+  path.write_text(json.dumps([{"bucket": 1, "budget": 0, "ms": 1.5}]))
+  assert StepTimeTable.load(str(path)).ms(4, 0) == 1.5
+  path.write_text(json.dumps([{"bucket": 1, "ms": 1.5}]))
+  with pytest.raises(ValueError, match="steps.json"):
+    StepTimeTable.load(str(path))
+  with pytest.raises(ValueError, match="slots=3"):
+    SimConfig(slots=3, buckets=(4, 1))
