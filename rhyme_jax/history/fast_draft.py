@@ -115,17 +115,15 @@ class Arena:
 
 @_jit
 def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, min_prob, decay,
-               max_levels, kw0, kw1, out_tok, out_par, out_prob):
+               max_levels, kw0, kw1, out_tok, out_par, out_prob, iw, fw, table, lvl_w, lvl_first,
+               lvl_branch, scale, acc, included):
+  """One query's tree into out_*; returns its size. iw / fw / table / lvl_* / scale / acc /
+  included are scratch space shared by the batch (sized by `draft_batch`)."""
   nc = len(ctx)
   if budget <= 0 or nc == 0:
     return 0
   last = ctx[nc - 1]
-  total_len = 0
-  for s in segs:
-    total_len += seg_len[s]
-  c_seg = np.empty(total_len, np.int64)
-  c_pos = np.empty(total_len, np.int64)
-  c_m = np.empty(total_len, np.int64)
+  c_seg, c_pos, c_m = iw[0], iw[1], iw[2]
   nc_all = 0
   for s in segs:  # 1. candidates
     a = seg_start[s]
@@ -140,40 +138,57 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
       c_pos[nc_all] = a + p
       c_m[nc_all] = m
       nc_all += 1
-  c_w = np.zeros(nc_all, np.float64)
-  for kind in range(2):  # 2. levels per kind
-    level = 0
-    for i in range(nc_all):
-      if seg_kind[c_seg[i]] == kind and c_m[i] > level:
-        level = c_m[i]
-    lam = kw0 if kind == 0 else kw1
-    for _ in range(max_levels):
-      if level < 1:
+  # 2. levels per kind, from per-match-length sums: level l holds the candidates with m >= l
+  lvl_w[:] = 0.0  # segment weight of candidates with m == l
+  lvl_first[:] = -2  # a next token of them (-2: none yet)
+  lvl_branch[:] = False  # whether their next tokens differ
+  for i in range(nc_all):
+    k = seg_kind[c_seg[i]]
+    m = c_m[i]
+    lvl_w[k, m] += seg_w[c_seg[i]]
+    nxt = arena[c_pos[i] + 1]
+    if lvl_first[k, m] == -2:
+      lvl_first[k, m] = nxt
+    elif lvl_first[k, m] != nxt:
+      lvl_branch[k, m] = True
+  scale[:] = 0.0  # a candidate's weight: seg_w * scale[kind, m]
+  for k in range(2):
+    lam = kw0 if k == 0 else kw1
+    total = 0.0
+    first = -2
+    branches = False
+    levels = 0
+    acc[:] = 0.0  # lam_l / W_l of included levels
+    included[:] = False
+    for l in range(nc, 0, -1):
+      total += lvl_w[k, l]
+      if lvl_first[k, l] != -2:
+        if first == -2:
+          first = lvl_first[k, l]
+        elif lvl_first[k, l] != first:
+          branches = True
+        branches = branches or lvl_branch[k, l]
+      if total == 0.0:
+        continue  # no candidate this long: the longest match is shorter
+      if levels >= max_levels:
         break
-      total = 0.0
-      first = -2
-      branches = False
-      for i in range(nc_all):
-        if seg_kind[c_seg[i]] == kind and c_m[i] >= level:
-          total += seg_w[c_seg[i]]
-          nxt = arena[c_pos[i] + 1]
-          if first == -2:
-            first = nxt
-          elif nxt != first:
-            branches = True
-      if total > 0:
-        for i in range(nc_all):
-          if seg_kind[c_seg[i]] == kind and c_m[i] >= level:
-            c_w[i] += lam * seg_w[c_seg[i]] / total
+      acc[l] = lam / total
+      included[l] = True
+      levels += 1
       if branches:
         break
       lam *= decay
-      level -= 1
+    run = 0.0
+    for m in range(1, nc + 1):  # scale[m] = sum of lam_l / W_l over included l <= m
+      if included[m]:
+        run += acc[m]
+      scale[k, m] = run
+  c_w = fw[0]
+  for i in range(nc_all):
+    c_w[i] = seg_w[c_seg[i]] * scale[seg_kind[c_seg[i]], c_m[i]]
   # 3. depth-by-depth weighted trie over the live candidates
-  l_pos = np.empty(nc_all, np.int64)
-  l_end = np.empty(nc_all, np.int64)
-  l_w = np.empty(nc_all, np.float64)
-  l_node = np.empty(nc_all, np.int64)
+  l_pos, l_end, l_node = iw[3], iw[4], iw[5]
+  l_w = fw[1]
   n_live = 0
   for i in range(nc_all):
     if c_w[i] > 0:
@@ -182,22 +197,15 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
       l_w[n_live] = c_w[i]
       l_node[n_live] = -1
       n_live += 1
-  max_nodes = budget * budget
-  node_tok = np.empty(max_nodes, np.int64)
-  node_par = np.empty(max_nodes, np.int64)
-  node_prob = np.empty(max_nodes, np.float64)
-  out_w = np.zeros(max_nodes + 1, np.float64)  # weight continuing from node i at [i + 1]
-  new_par = np.empty(max(n_live, 1), np.int64)
-  new_tok = np.empty(max(n_live, 1), np.int64)
-  new_w = np.empty(max(n_live, 1), np.float64)
-  new_prob = np.empty(max(n_live, 1), np.float64)
-  new_final = np.empty(max(n_live, 1), np.int64)
-  move_j = np.empty(max(n_live, 1), np.int64)
-  size = 16
-  while size < 2 * n_live:
-    size *= 2
-  table = np.zeros(size, np.int64)  # (parent, token) -> 1 + index into new_*
-  used = np.empty(max(n_live, 1), np.int64)
+  max_nodes = budget * budget  # <= budget per depth
+  node_tok, node_par = iw[6, :max_nodes], iw[7, :max_nodes]
+  node_prob = fw[2, :max_nodes]
+  out_w = fw[3, :max_nodes + 1]  # weight continuing from node i at [i + 1]
+  out_w[:] = 0.0
+  new_par, new_tok, new_final, move_j, used = iw[8], iw[9], iw[10], iw[11], iw[12]
+  new_w, new_prob, top = fw[4], fw[5], fw[6]
+  size = len(table)  # (parent, token) -> 1 + index into new_*; all zero between uses
+  n_top = 0
   n_nodes = 0
   depth = 0
   while n_live > 0 and depth < budget:
@@ -237,20 +245,25 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
       n_move += 1
     for k in range(n_used):
       table[used[k]] = 0
+    # A node at most as probable as the budget-th best of earlier depths cannot make the tree
+    # (earlier depths win ties), nor can its descendants: cut it here.
+    thr = top[budget - 1] if n_top >= budget else -1.0
     n_keep = 0
     for j in range(n_new):
       par = new_par[j]
       base = 1.0 if par < 0 else node_prob[par]
       new_prob[j] = base * (new_w[j] / out_w[par + 1])  # never above its parent
       new_final[j] = -1
-      if new_prob[j] >= min_prob:
+      if new_prob[j] < min_prob or new_prob[j] <= thr:
+        new_prob[j] = -1.0  # dropped
+      else:
         n_keep += 1
     if n_keep > budget:  # keep the `budget` most probable of this depth (stable)
       order = np.argsort(-new_prob[:n_new], kind="mergesort")
       taken = 0
       for k in range(n_new):
         j = order[k]
-        if new_prob[j] < min_prob:
+        if new_prob[j] < 0:
           continue
         if taken < budget:
           new_final[j] = -2  # marked; numbered below in creation order
@@ -264,12 +277,22 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
           n_nodes += 1
     else:
       for j in range(n_new):
-        if new_prob[j] >= min_prob:
+        if new_prob[j] >= 0:
           new_final[j] = n_nodes
           node_tok[n_nodes] = new_tok[j]
           node_par[n_nodes] = new_par[j]
           node_prob[n_nodes] = new_prob[j]
           n_nodes += 1
+    for j in range(n_new):  # the best `budget` probabilities so far, descending
+      if new_final[j] >= 0:
+        v = new_prob[j]
+        k = min(n_top, budget - 1)
+        if n_top < budget or v > top[k]:
+          while k > 0 and top[k - 1] < v:
+            top[k] = top[k - 1]
+            k -= 1
+          top[k] = v
+          n_top = min(n_top + 1, budget)
     n_live = 0
     for i in range(n_move):
       f = new_final[move_j[i]]
@@ -280,9 +303,15 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
         l_node[n_live] = f
         n_live += 1
   # 4. best first: (-prob, creation order) -- creation order is depth order
-  order = np.argsort(-node_prob[:n_nodes], kind="mergesort")
+  order = iw[13, :n_nodes]
+  for i in range(n_nodes):  # stable insertion sort by descending probability (few nodes)
+    k = i
+    while k > 0 and node_prob[order[k - 1]] < node_prob[i]:
+      order[k] = order[k - 1]
+      k -= 1
+    order[k] = i
   n_out = min(n_nodes, budget)
-  new_index = np.full(n_nodes, -1, np.int64)
+  new_index = iw[14, :n_nodes]
   for k in range(n_out):
     new_index[order[k]] = k
   for k in range(n_out):
@@ -298,6 +327,24 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs
                 max_match, min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob,
                 out_n):
   """Drafts every query: rows of out_tok / out_par / out_prob get out_n[q] nodes, best first."""
+  longest = 1  # scratch sized for the largest query of the batch, allocated once
+  for q in range(len(q_own)):
+    n = 0
+    for s in q_segs[q_ptr[q]:q_ptr[q + 1]]:
+      n += seg_len[s]
+    longest = max(longest, n, q_budget[q] * q_budget[q] + 1)
+  iw = np.empty((15, longest), np.int64)
+  fw = np.empty((7, longest), np.float64)
+  size = 16
+  while size < 2 * longest:
+    size *= 2
+  table = np.zeros(size, np.int64)
+  lvl_w = np.empty((2, max_match + 1), np.float64)
+  lvl_first = np.empty((2, max_match + 1), np.int64)
+  lvl_branch = np.empty((2, max_match + 1), np.bool_)
+  scale = np.empty((2, max_match + 1), np.float64)
+  acc = np.empty(max_match + 1, np.float64)
+  included = np.empty(max_match + 1, np.bool_)
   for q in range(len(q_own)):
     own = q_own[q]
     a = seg_start[own]
@@ -306,4 +353,5 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs
     ctx = arena[a + c0:a + n]
     out_n[q] = _draft_one(arena, seg_start, seg_len, seg_w, seg_kind,
                           q_segs[q_ptr[q]:q_ptr[q + 1]], ctx, q_budget[q], min_prob, decay,
-                          max_levels, kw0, kw1, out_tok[q], out_par[q], out_prob[q])
+                          max_levels, kw0, kw1, out_tok[q], out_par[q], out_prob[q], iw, fw,
+                          table, lvl_w, lvl_first, lvl_branch, scale, acc, included)

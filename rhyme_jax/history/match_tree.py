@@ -30,6 +30,7 @@ requester's own segment's last `max_match` tokens.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -57,27 +58,33 @@ def draft_reference(segments: Sequence[tuple[np.ndarray, int, float]], context: 
       while m < len(ctx) and p - m >= 0 and toks[p - m] == ctx[-1 - m]:
         m += 1
       cands.append((s, p, m))
-  # 2. levels per kind -> candidate weights
-  weight = [0.0] * len(cands)
+  # 2. levels per kind -> candidate weights. A candidate of match length m belongs to levels
+  # l <= m, so its weight is seg_weight * scale[kind][m], scale[m] = sum over included l <= m
+  # of lam_l / W_l (W_l: the segment weight of level l, summed from the longest m down).
+  scale = []
   for kind in (0, 1):
-    mine = [i for i, (s, _, _) in enumerate(cands) if segments[s][1] == kind]
-    if not mine:
-      continue
-    level = max(cands[i][2] for i in mine)
-    lam = float(kind_weights[kind])
-    for _ in range(max_levels):
-      if level < 1:
+    by_m = [0.0] * (len(ctx) + 1)  # segment weight of this kind's candidates with m == l
+    nexts_by_m = [set() for _ in range(len(ctx) + 1)]
+    for s, p, m in cands:
+      if segments[s][1] == kind:
+        by_m[m] += float(segments[s][2])
+        nexts_by_m[m].add(int(segments[s][0][p + 1]))
+    share = [0.0] * (len(ctx) + 1)  # lam_l / W_l of included levels
+    lam, total, nexts, levels = float(kind_weights[kind]), 0.0, set(), 0
+    for level in range(len(ctx), 0, -1):
+      total += by_m[level]
+      nexts |= nexts_by_m[level]
+      if total == 0.0:
+        continue  # no candidate this long
+      if levels == max_levels:
         break
-      members = [i for i in mine if cands[i][2] >= level]
-      total = sum(float(segments[cands[i][0]][2]) for i in members)
-      if total > 0:
-        for i in members:
-          weight[i] += lam * float(segments[cands[i][0]][2]) / total
-      nexts = {int(segments[cands[i][0]][0][cands[i][1] + 1]) for i in members}
-      if len(nexts) >= 2:
+      share[level] = lam / total
+      levels += 1
+      if len(nexts) >= 2:  # this level branches: stop falling back
         break
       lam *= decay
-      level -= 1
+    scale.append(list(itertools.accumulate(share)))
+  weight = [float(segments[s][2]) * scale[segments[s][1]][m] for s, _, m in cands]
   # 3. depth-by-depth weighted trie
   live = [(cands[i][0], cands[i][1], weight[i], -1) for i in range(len(cands)) if weight[i] > 0]
   node_tok, node_par, node_prob, node_depth = [], [], [], []
