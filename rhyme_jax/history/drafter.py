@@ -92,7 +92,9 @@ class HistoryDrafter:
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
     self.epoch = 0
     self.arena = fast_draft.Arena()
-    self._history: collections.OrderedDict[Hashable, tuple[int, np.ndarray]] = (
+    self.postings = fast_draft.Postings()  # of the past responses (static): no scan
+    # prompt key -> (store version, its segments, their postings id)
+    self._history: collections.OrderedDict[Hashable, tuple[int, np.ndarray, int]] = (
         collections.OrderedDict())
     self._requests: dict[int, _Request] = {}
     self._groups: dict[Hashable, _Group] = {}
@@ -129,31 +131,33 @@ class HistoryDrafter:
 
   # --- indexes ------------------------------------------------------------------------------
 
-  def _history_segs(self, key: Hashable) -> np.ndarray:
-    """Arena segments of a prompt's kept past responses (built once per store version)."""
+  def _history_range(self, key: Hashable) -> tuple[int, int]:
+    """The postings range of a prompt's kept past responses (built once per store version)."""
     version = self.store.version(key)
     cached = self._history.get(key)
     if cached is not None and cached[0] == version:
       self._history.move_to_end(key)
-      return cached[1]
+      return self.postings.range(cached[2])
     if cached is not None:
       self._free_history(key)
     if version is None:
-      return _NO_SEGS
+      return (0, 0)
     t0 = time.perf_counter()
     groups = self.store.get(key) or []
     latest = max((g.epoch for g in groups), default=0)
     segs = np.array([self.arena.add(r, HISTORY, self.recency ** (latest - g.epoch))
                      for g in groups for r in g.responses], np.int64)
-    self._history[key] = (version, segs)
+    pid = self.postings.add(self.arena, segs)
+    self._history[key] = (version, segs, pid)
     while len(self._history) > self.index_cache:
       self._free_history(next(iter(self._history)))
     self.stats["history_index_builds"] += 1
     self.stats["history_index_seconds"] += time.perf_counter() - t0
-    return segs
+    return self.postings.range(pid)
 
   def _free_history(self, key: Hashable) -> None:
-    _, segs = self._history.pop(key)
+    _, segs, pid = self._history.pop(key)
+    self.postings.free(pid)
     for s in segs.tolist():
       self.arena.free(s)
 
@@ -183,15 +187,14 @@ class HistoryDrafter:
   # --- drafting -----------------------------------------------------------------------------
 
   def _draft_batch(self, queries: Sequence[DraftQuery], budgets: list[int]) -> list[DraftTree]:
-    own, parts, counts = [], [], []
+    own, parts, counts, plo, phi = [], [], [], [], []
     for q in queries:
       req = self._request(q.request_id, q.group_id, q.response)
       own.append(req.seg)
+      lo, hi = self._history_range(store_key(q.prompt_key)) if self.use_history else (0, 0)
+      plo.append(lo)
+      phi.append(hi)
       n = 0
-      if self.use_history:
-        h = self._history_segs(store_key(q.prompt_key))
-        parts.append(h)
-        n += len(h)
       if self.use_siblings:
         group = self._groups[req.group_id]
         if group.array is None:
@@ -212,7 +215,8 @@ class HistoryDrafter:
                            np.array(own, np.int64), q_ptr, q_segs, np.array(budgets, np.int64),
                            self.max_match, self.min_prob, self.fallback_decay, self.max_levels,
                            self.history_weight, self.sibling_weight, out_tok, out_par, out_prob,
-                           out_n)
+                           out_n, self.postings.tok, self.postings.seg, self.postings.pos,
+                           np.array(plo, np.int64), np.array(phi, np.int64))
     ones = np.ones(width, bool)
     return [DraftTree(out_tok[i, :n], out_par[i, :n], ones[:n], out_prob[i, :n])
             for i, n in enumerate(out_n.tolist())]

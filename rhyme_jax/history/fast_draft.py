@@ -113,10 +113,67 @@ class Arena:
     return self.tokens[a:a + int(self.seg_len[seg])]
 
 
+class Postings:
+  """Candidates of static segments (past responses) by binary search instead of a scan.
+
+  For a list of segments, entries (token, segment, position) of every position with a next
+  token, sorted by token and, within a token, in segment-list order then position: the order a
+  scan of those segments finds them. Positions are relative to the segment's start (the arena
+  may move segments when it compacts).
+  """
+
+  def __init__(self):
+    self.tok = np.zeros(0, np.int32)
+    self.seg = np.zeros(0, np.int64)
+    self.pos = np.zeros(0, np.int64)
+    self._ranges: dict[int, tuple[int, int]] = {}
+    self._next_id = 0
+    self.live = 0
+
+  def add(self, arena: Arena, segs: np.ndarray) -> int:
+    toks, seg_ids, pos = [], [], []
+    for s in segs.tolist():
+      body = arena.segment(s)[:-1]  # positions with a next token
+      toks.append(body)
+      seg_ids.append(np.full(len(body), s, np.int64))
+      pos.append(np.arange(len(body), dtype=np.int64))
+    tok = np.concatenate(toks).astype(np.int32) if toks else np.zeros(0, np.int32)
+    seg_all = np.concatenate(seg_ids) if toks else np.zeros(0, np.int64)
+    pos_all = np.concatenate(pos) if toks else np.zeros(0, np.int64)
+    order = np.argsort(tok, kind="stable")
+    if len(self.tok) > 2 * self.live + 4096:  # mostly freed entries: drop them first
+      self._compact()
+    start = len(self.tok)
+    self.tok = np.concatenate([self.tok, tok[order]])
+    self.seg = np.concatenate([self.seg, seg_all[order]])
+    self.pos = np.concatenate([self.pos, pos_all[order]])
+    pid = self._next_id
+    self._next_id += 1
+    self._ranges[pid] = (start, start + len(tok))
+    self.live += len(tok)
+    return pid
+
+  def range(self, pid: int) -> tuple[int, int]:
+    return self._ranges[pid]
+
+  def free(self, pid: int) -> None:
+    lo, hi = self._ranges.pop(pid)
+    self.live -= hi - lo
+
+  def _compact(self) -> None:
+    parts, start = [], 0
+    for pid, (lo, hi) in self._ranges.items():
+      parts.append((lo, hi))
+      self._ranges[pid] = (start, start + hi - lo)
+      start += hi - lo
+    pick = np.concatenate([np.arange(lo, hi) for lo, hi in parts]) if parts else np.zeros(0, int)
+    self.tok, self.seg, self.pos = self.tok[pick], self.seg[pick], self.pos[pick]
+
+
 @_jit
 def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, min_prob, decay,
                max_levels, kw0, kw1, out_tok, out_par, out_prob, iw, fw, table, lvl_w, lvl_first,
-               lvl_branch, scale, acc, included):
+               lvl_branch, scale, acc, included, post_tok, post_seg, post_pos, plo, phi):
   """One query's tree into out_*; returns its size. iw / fw / table / lvl_* / scale / acc /
   included are scratch space shared by the batch (sized by `draft_batch`)."""
   nc = len(ctx)
@@ -125,7 +182,27 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
   last = ctx[nc - 1]
   c_seg, c_pos, c_m = iw[0], iw[1], iw[2]
   nc_all = 0
-  for s in segs:  # 1. candidates
+  lo, hi = plo, phi  # 1. candidates: of the static segments by binary search in the postings
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if post_tok[mid] < last:
+      lo = mid + 1
+    else:
+      hi = mid
+  e = lo
+  while e < phi and post_tok[e] == last:
+    s = post_seg[e]
+    a = seg_start[s]
+    p = post_pos[e]
+    m = 1
+    while m < nc and p - m >= 0 and arena[a + p - m] == ctx[nc - 1 - m]:
+      m += 1
+    c_seg[nc_all] = s
+    c_pos[nc_all] = a + p
+    c_m[nc_all] = m
+    nc_all += 1
+    e += 1
+  for s in segs:  # ... then of the growing ones by a scan
     a = seg_start[s]
     n = seg_len[s]
     for p in range(n - 1):
@@ -204,7 +281,9 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
   out_w[:] = 0.0
   new_par, new_tok, new_final, move_j, used = iw[8], iw[9], iw[10], iw[11], iw[12]
   new_w, new_prob, top = fw[4], fw[5], fw[6]
-  size = len(table)  # (parent, token) -> 1 + index into new_*; all zero between uses
+  size = 16  # (parent, token) -> 1 + index into new_*: a prefix of `table` (zero between uses)
+  while size < 2 * n_live:  # small enough to stay in cache
+    size *= 2
   n_top = 0
   n_nodes = 0
   depth = 0
@@ -325,11 +404,16 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
 @_jit
 def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs, q_budget,
                 max_match, min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob,
-                out_n):
-  """Drafts every query: rows of out_tok / out_par / out_prob get out_n[q] nodes, best first."""
+                out_n, post_tok, post_seg, post_pos, q_plo, q_phi):
+  """Drafts every query: rows of out_tok / out_par / out_prob get out_n[q] nodes, best first.
+
+  Query q searches the postings entries [q_plo[q], q_phi[q]) (its static segments) and then
+  scans segments q_segs[q_ptr[q]:q_ptr[q + 1]] (growing ones); its context is the tail of
+  segment q_own[q].
+  """
   longest = 1  # scratch sized for the largest query of the batch, allocated once
   for q in range(len(q_own)):
-    n = 0
+    n = q_phi[q] - q_plo[q]
     for s in q_segs[q_ptr[q]:q_ptr[q + 1]]:
       n += seg_len[s]
     longest = max(longest, n, q_budget[q] * q_budget[q] + 1)
@@ -354,4 +438,5 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs
     out_n[q] = _draft_one(arena, seg_start, seg_len, seg_w, seg_kind,
                           q_segs[q_ptr[q]:q_ptr[q + 1]], ctx, q_budget[q], min_prob, decay,
                           max_levels, kw0, kw1, out_tok[q], out_par[q], out_prob[q], iw, fw,
-                          table, lvl_w, lvl_first, lvl_branch, scale, acc, included)
+                          table, lvl_w, lvl_first, lvl_branch, scale, acc, included,
+                          post_tok, post_seg, post_pos, q_plo[q], q_phi[q])

@@ -9,14 +9,21 @@ from rhyme_jax.history import fast_draft
 from rhyme_jax.history.match_tree import START, draft_reference
 
 
-def draft(arena, own, segs, budget, *, max_match, min_prob, decay, max_levels, kind_weights):
+def draft(arena, own, segs, budget, *, max_match, min_prob, decay, max_levels, kind_weights,
+          static=0, postings=None):
+  """One query through draft_batch: its first `static` segments through postings, the rest
+  scanned (the reference sees them all, in this order)."""
   out = [np.zeros((1, max(budget, 1)), t) for t in (np.int32, np.int32, np.float32)]
   n = np.zeros(1, np.int64)
+  postings = postings or fast_draft.Postings()
+  lo, hi = postings.range(postings.add(arena, np.array(segs[:static], np.int64)))
+  scanned = segs[static:]
   fast_draft.draft_batch(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight,
                          arena.seg_kind, np.array([own], np.int64),
-                         np.array([0, len(segs)], np.int64), np.array(segs, np.int64),
+                         np.array([0, len(scanned)], np.int64), np.array(scanned, np.int64),
                          np.array([budget], np.int64), max_match, min_prob, decay, max_levels,
-                         kind_weights[0], kind_weights[1], *out, n)
+                         kind_weights[0], kind_weights[1], *out, n, postings.tok, postings.seg,
+                         postings.pos, np.array([lo]), np.array([hi]))
   return tuple(o[0, :n[0]] for o in out)
 
 
@@ -27,9 +34,10 @@ segment = st.tuples(st.lists(st.integers(0, 4), max_size=40), st.integers(0, 1),
 @settings(max_examples=300, deadline=None)
 @given(st.lists(segment, min_size=1, max_size=6), st.lists(st.integers(0, 4), max_size=15),
        st.booleans(), st.integers(0, 20), st.integers(1, 8), st.sampled_from([0.001, 0.05, 0.3]),
-       st.sampled_from([0.5, 1.0]), st.integers(1, 4), st.sampled_from([(1.0, 1.0), (1.0, 0.3)]))
+       st.sampled_from([0.5, 1.0]), st.integers(1, 4), st.sampled_from([(1.0, 1.0), (1.0, 0.3)]),
+       st.integers(0, 6), st.integers(0, 3))
 def test_compiled_equals_reference(segs, own_tokens, own_searched, budget, max_match, min_prob,
-                                   decay, max_levels, kind_weights):
+                                   decay, max_levels, kind_weights, static, other_postings):
   arena = fast_draft.Arena(capacity=8)  # tiny: exercises growth
   ids = [arena.add(np.array(t, np.int32), k, w, capacity=len(t) + 3) for t, k, w in segs]
   own = arena.add(np.array(own_tokens, np.int32), 1, 1.0)
@@ -37,7 +45,10 @@ def test_compiled_equals_reference(segs, own_tokens, own_searched, budget, max_m
     ids.append(own)
   kw = dict(max_match=max_match, min_prob=min_prob, decay=decay, max_levels=max_levels,
             kind_weights=kind_weights)
-  got = draft(arena, own, ids, budget, **kw)
+  postings = fast_draft.Postings()
+  for _ in range(other_postings):  # entries of other prompts around this query's range
+    postings.add(arena, np.array(ids[:1], np.int64))
+  got = draft(arena, own, ids, budget, static=min(static, len(segs)), postings=postings, **kw)
   ctx = arena.segment(own)[-max_match:]
   ref = draft_reference([(arena.segment(s), int(arena.seg_kind[s]), float(arena.seg_weight[s]))
                          for s in ids], ctx, budget, **{k: v for k, v in kw.items()
