@@ -55,6 +55,9 @@ def store_key(key: Hashable) -> Hashable:
 class _Request:
   group_id: Hashable
   seg: int  # its own segment in the arena (START + response so far)
+  length: int  # response tokens in it (a Python int: cheaper than reading the arena's)
+  key: Hashable = None  # its prompt's history-store key
+  history: tuple = (None, 0, 0)  # (store version, postings lo, hi) last looked up
 
 
 @dataclasses.dataclass
@@ -173,27 +176,36 @@ class HistoryDrafter:
     req = self._requests.get(request_id)
     if req is None:
       seg = self.arena.add(np.asarray(response, np.int32), SIBLING, 1.0, self.response_capacity)
-      req = self._requests[request_id] = _Request(group_id, seg)
+      req = self._requests[request_id] = _Request(group_id, seg, len(response))
       group = self._group(group_id)
       group.segs.append(seg)
       group.live.add(request_id)
       group.array = None
       return req
-    have = int(self.arena.seg_len[req.seg]) - 1
-    if have < len(response):  # tokens `observe` did not report
-      self.arena.extend(req.seg, np.asarray(response[have:], np.int32))
+    if req.length < len(response):  # tokens `observe` did not report
+      self.arena.extend(req.seg, np.asarray(response[req.length:], np.int32))
+      req.length = len(response)
     return req
 
   # --- drafting -----------------------------------------------------------------------------
 
   def _draft_batch(self, queries: Sequence[DraftQuery], budgets: list[int]) -> list[DraftTree]:
     own, parts, counts, plo, phi = [], [], [], [], []
+    version = self.store.version if self.use_history else None
     for q in queries:
       req = self._request(q.request_id, q.group_id, q.response)
       own.append(req.seg)
-      lo, hi = self._history_range(store_key(q.prompt_key)) if self.use_history else (0, 0)
-      plo.append(lo)
-      phi.append(hi)
+      if version is not None:
+        if req.key is None:
+          req.key = store_key(q.prompt_key)
+        v = version(req.key)
+        if v != req.history[0] or v is None:
+          req.history = (v, *self._history_range(req.key))
+        plo.append(req.history[1])
+        phi.append(req.history[2])
+      else:
+        plo.append(0)
+        phi.append(0)
       n = 0
       if self.use_siblings:
         group = self._groups[req.group_id]
@@ -218,6 +230,7 @@ class HistoryDrafter:
                            out_n, self.postings.tok, self.postings.seg, self.postings.pos,
                            np.array(plo, np.int64), np.array(phi, np.int64))
     ones = np.ones(width, bool)
+    self._drafted_nodes = int(out_n.sum())
     return [DraftTree(out_tok[i, :n], out_par[i, :n], ones[:n], out_prob[i, :n])
             for i, n in enumerate(out_n.tolist())]
 
@@ -233,13 +246,16 @@ class HistoryDrafter:
           out[i] = q.ahead.padded(min(budgets[i], len(q.ahead.tokens)))
           self.stats["ahead_used"] += 1
           self.stats["ahead_tokens"] += out[i].size
-    if todo:
+          self.stats["draft_tokens"] += out[i].size
+    if len(todo) == len(queries):
+      out = self._draft_batch(queries, budgets)
+      self.stats["draft_tokens"] += self._drafted_nodes
+    elif todo:
       trees = self._draft_batch([queries[i] for i in todo], [budgets[i] for i in todo])
+      self.stats["draft_tokens"] += self._drafted_nodes
       for i, tree in zip(todo, trees):
         out[i] = tree
-    sizes = [t.size for t in out]
     dt = time.perf_counter() - t0
-    self.stats["draft_tokens"] += sum(sizes)
     self.stats["propose_calls"] += 1
     self.stats["propose_queries"] += len(queries)
     self.stats["propose_seconds"] += dt
@@ -263,6 +279,7 @@ class HistoryDrafter:
     new = np.asarray(new_tokens, np.int32).reshape(-1)
     if req is not None and len(new):
       self.arena.extend(req.seg, new)
+      req.length += len(new)
     self.stats["observe_calls"] += 1
     self.stats["drafted_tokens"] += int(drafted)
     self.stats["accepted_tokens"] += int(accepted)

@@ -96,3 +96,26 @@ def test_arena_segments_survive_growth_free_and_compaction():
     for seg, toks in want.items():
       assert arena.segment(seg).tolist() == toks
   assert arena.live_tokens == sum(int(arena.seg_cap[s]) for s in want)
+
+
+def test_postings_survive_frees_and_compaction():
+  rng = np.random.default_rng(1)
+  arena, postings = fast_draft.Arena(), fast_draft.Postings()
+  kept = {}
+  for step in range(200):
+    segs = np.array([arena.add(rng.integers(0, 9, 30).astype(np.int32), 0, 1.0)
+                     for _ in range(4)], np.int64)
+    kept[postings.add(arena, segs)] = segs
+    if len(kept) > 3:
+      pid = next(iter(kept))
+      postings.free(pid)
+      del kept[pid]
+  assert len(postings.tok) < 200 * 4 * 30  # freed entries were dropped
+  for pid, segs in kept.items():
+    lo, hi = postings.range(pid)
+    got = sorted(zip(postings.tok[lo:hi].tolist(), postings.seg[lo:hi].tolist(),
+                     postings.pos[lo:hi].tolist()))
+    want = sorted((int(t), int(s), p) for s in segs.tolist()
+                  for p, t in enumerate(arena.segment(s)[:-1]))
+    assert got == want
+    assert np.all(np.diff(postings.tok[lo:hi]) >= 0)
