@@ -40,12 +40,13 @@ def parse_runs(p, text):
   runs = []
   for part in text.split(","):
     try:
-      t, e, g = part.split(":")
-      runs.append((float(t), int(e), int(g)))
-    except ValueError:
-      p.error(f"--runs entry {part!r}: expected TEMPERATURE:EPOCHS:GROUP_SIZE, e.g. 0.6:2:8")
-    if runs[-1][0] < 0 or runs[-1][1] <= 0 or runs[-1][2] <= 0:
-      p.error(f"--runs entry {part!r}: need T >= 0, EPOCHS > 0, GROUP_SIZE > 0")
+      t, e, g, *first = part.split(":")
+      runs.append((float(t), int(e), int(g), int(first[0]) if first else 0))
+    except (ValueError, IndexError):
+      p.error(f"--runs entry {part!r}: expected TEMPERATURE:EPOCHS:GROUP_SIZE[:FIRST_EPOCH], "
+              "e.g. 0.6:2:8")
+    if runs[-1][0] < 0 or runs[-1][1] <= 0 or runs[-1][2] <= 0 or runs[-1][3] < 0:
+      p.error(f"--runs entry {part!r}: need T >= 0, EPOCHS > 0, GROUP_SIZE > 0, FIRST_EPOCH >= 0")
   return runs
 
 
@@ -56,7 +57,7 @@ def parse_args(argv=None):
   p.add_argument("--prompt_offset", type=int, default=0)
   p.add_argument("--max_new_tokens", type=int, default=256)
   p.add_argument("--runs", default="0.6:2:8,0:1:1,1.0:2:8",
-                 help="comma-separated TEMPERATURE:EPOCHS:GROUP_SIZE (T=0: greedy)")
+                 help="comma-separated TEMPERATURE:EPOCHS:GROUP_SIZE[:FIRST_EPOCH] (T=0: greedy)")
   p.add_argument("--top_p", type=float, default=1.0)
   p.add_argument("--buckets", default="64,16,4,1")
   p.add_argument("--seed", type=int, default=0)
@@ -99,10 +100,10 @@ def main(argv=None):
   RolloutEngine(model, cfg, None).warmup()
   print(f"[record] {common.device_description()}; warm-up {time.perf_counter() - t0:.0f}s",
         flush=True)
-  for temp, epochs, g in args.runs:
+  for temp, epochs, g, first_epoch in args.runs:
     params = SamplingParams(temperature=temp, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens)
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, first_epoch + epochs):
       # Request ids count from the dataset index, so recordings of consecutive prompt ranges
       # merge into the one a single run over all of them would have made (same random draws).
       base = args.prompt_offset

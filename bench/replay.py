@@ -95,15 +95,18 @@ def main(argv=None):
       rows.append([name, size, mode, f"{r['accepted_length']:.2f}",
                    f"{r['drafted_per_step']:.1f}", f"{r['hit_rate']:.2f}",
                    f"{r['no_draft_frac']:.2f}", f"{r['us_per_query']:.1f}",
+                   f"{r['cpu_us_per_query']:.1f}",
                    f"{r['observe_us']:.1f}", r["steps"]])
       print(f"[replay] {name} {mode}: accepted length {r['accepted_length']:.2f}, drafted/step "
             f"{r['drafted_per_step']:.1f}, hit {r['hit_rate']:.2f}, no draft "
-            f"{r['no_draft_frac']:.2f}, {r['us_per_query']:.1f} us/query propose, "
+            f"{r['no_draft_frac']:.2f}, {r['us_per_query']:.1f} us/query propose "
+            f"({r['cpu_us_per_query']:.1f} CPU), "
             f"{r['observe_us']:.1f} us observe ({time.perf_counter() - t0:.1f}s)", flush=True)
   if not rows:
     raise SystemExit(f"[replay] no complete setting under {args.dir}")
   headers = ["setting", "target", "drafts", "accepted len/verify", "drafted/step", "hit rate",
-             "no-draft steps", "propose us/query", "observe us/query", "verify steps"]
+             "no-draft steps", "propose us/query (wall)", "propose us/query (CPU)",
+             "observe us/query", "verify steps"]
   table = common.markdown_table(headers, rows)
   print(table)
   if not args.no_append:
