@@ -56,6 +56,9 @@ def parse_args(argv=None):
   p.add_argument("--live_rows", type=int, default=64, help="requests drafted together")
   p.add_argument("--min_prob", type=float, default=0.02)
   p.add_argument("--max_match", type=int, default=8)
+  p.add_argument("--reference", action="store_true",
+                 help="also replay the readable Python reference drafter (mode 'both'): same "
+                      "statistics required, its time reported")
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
@@ -84,11 +87,13 @@ def main(argv=None):
       continue
     size = (f"{len(target.prompts)} prompts x G={target.meta.get('group_size')}, "
             f"{target.num_tokens} tokens")
-    for mode in args.modes:
+    for mode in args.modes + (["both (Python reference)"] if args.reference else []):
       make = lambda: HistoryDrafter(
           HistoryStore(), use_history=mode != "siblings", use_siblings=mode != "history",
-          max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match)
-      replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)  # warm
+          max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match,
+          compiled="reference" not in mode)
+      if "reference" not in mode:  # compile / warm up first
+        replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
       t0 = time.perf_counter()
       st = replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
       r = st.row()

@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from rhyme_jax.history import fast_draft
+from rhyme_jax.history import fast_draft, match_tree
 from rhyme_jax.history.store import HistoryStore, prompt_key as hash_prompt
 from rhyme_jax.rollout.drafts import DraftQuery, DraftTree
 
@@ -75,7 +75,7 @@ class HistoryDrafter:
                min_prob: float = 0.02, fallback_decay: float = 0.5, max_levels: int = 4,
                recency: float = 0.5, history_weight: float = 1.0, sibling_weight: float = 1.0,
                response_capacity: int = 320, index_cache: int = 512,
-               idle_groups_kept: int = 256):
+               idle_groups_kept: int = 256, compiled: bool = True):
     if max_budget < 1 or max_match < 1 or max_levels < 1:
       raise ValueError(f"HistoryDrafter: max_budget ({max_budget}), max_match ({max_match}) and "
                        f"max_levels ({max_levels}) must be >= 1")
@@ -92,6 +92,7 @@ class HistoryDrafter:
     self.min_prob, self.fallback_decay, self.recency = min_prob, fallback_decay, recency
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
     self.response_capacity = response_capacity
+    self.compiled = compiled  # False: the readable reference (match_tree), query by query
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
     self.epoch = 0
     self.arena = fast_draft.Arena()
@@ -214,6 +215,8 @@ class HistoryDrafter:
         parts.append(group.array)
         n += len(group.array)
       counts.append(n)
+    if not self.compiled:
+      return self._draft_reference(queries, budgets, own, parts)
     q_segs = np.concatenate(parts) if parts else _NO_SEGS
     q_ptr = np.zeros(len(queries) + 1, np.int64)
     np.cumsum(counts, out=q_ptr[1:])
@@ -233,6 +236,27 @@ class HistoryDrafter:
     self._drafted_nodes = int(out_n.sum())
     return [DraftTree(out_tok[i, :n], out_par[i, :n], ones[:n], out_prob[i, :n])
             for i, n in enumerate(out_n.tolist())]
+
+  def _draft_reference(self, queries, budgets, own, parts) -> list[DraftTree]:
+    """The same trees from `match_tree.draft_reference` (slow; for tests and comparisons)."""
+    a, out, nodes = self.arena, [], 0
+    parts = iter(parts)
+    for q, budget, seg in zip(queries, budgets, own):
+      req = self._requests[q.request_id]
+      segs = []
+      if self.use_history and req.key in self._history:
+        segs += self._history[req.key][1].tolist()
+      if self.use_siblings:
+        segs += next(parts).tolist()
+      view = [(a.segment(s), int(a.seg_kind[s]), float(a.seg_weight[s])) for s in segs]
+      tokens, parents, probs = match_tree.draft_reference(
+          view, a.segment(seg)[-self.max_match:], budget, min_prob=self.min_prob,
+          decay=self.fallback_decay, max_levels=self.max_levels,
+          kind_weights=(self.history_weight, self.sibling_weight))
+      out.append(DraftTree(tokens, parents, np.ones(len(tokens), bool), probs))
+      nodes += len(tokens)
+    self._drafted_nodes = nodes
+    return out
 
   def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
     t0 = time.perf_counter()

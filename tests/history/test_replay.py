@@ -72,3 +72,26 @@ def test_exact_history_is_accepted_up_to_the_budget(budget):
   # every step emits a bonus token except a last one whose draft covered the rest
   assert stats.accepted == stats.tokens - stats.steps + sum(
       len(r) % (budget + 1) != 0 for r in target.responses)
+
+
+@pytest.mark.parametrize("mode", ["history", "siblings", "both"])
+def test_compiled_drafter_replays_like_the_reference(mode):
+  """The whole drafter, compiled vs the readable reference, on a replay with repetitive
+  history and siblings: the same trees at every step, hence the same statistics."""
+  rng = np.random.default_rng(3)
+  def noisy(epoch):  # responses sharing a pattern per prompt, tokens changed at random
+    rec = recording(epoch, num_prompts=3, group=4, length=80, seed=epoch)
+    for i, r in enumerate(rec.responses):
+      base = np.arange(len(r)) % (7 + int(rec.prompt_index[i]))
+      rec.responses[i] = np.where(rng.random(len(r)) < 0.2, r % 13, base).astype(np.int32)
+    return rec
+  history, target = noisy(0), noisy(1)
+  runs = []
+  for compiled in (True, False):
+    make = lambda: HistoryDrafter(HistoryStore(), use_history=mode != "siblings",
+                                  use_siblings=mode != "history", max_budget=8,
+                                  compiled=compiled)
+    st = replay_epochs(make, [history], target, budget=8, live_rows=5)
+    runs.append((st.steps, st.tokens, st.drafted, st.accepted, st.no_draft_steps))
+  assert runs[0] == runs[1]
+  assert runs[0][3] > 0
