@@ -133,3 +133,24 @@ def merge(recordings: list[Recording]) -> Recording:
       finish=[f for r in recordings for f in r.finish],
       prompts=[p for r in recordings for p in r.prompts],
       prompt_keys=[k for r in recordings for k in r.prompt_keys], meta=meta)
+
+
+def split_groups(rec: Recording) -> tuple[Recording, Recording]:
+  """Each group's responses split in two halves (even / odd positions in the group): a
+  'history' and a 'target' rollout of the same prompts, G/2 each. With unchanged weights
+  and independent draws this is a previous epoch and a fresh-seed epoch (smaller groups)."""
+  halves = []
+  for parity in (0, 1):
+    seen: dict[int, int] = {}
+    pick = []
+    for i in range(len(rec.responses)):
+      p = int(rec.prompt_index[i])
+      if seen.get(p, 0) % 2 == parity:
+        pick.append(i)
+      seen[p] = seen.get(p, 0) + 1
+    meta = dict(rec.meta, epoch=rec.epoch + parity,
+                group_size=(rec.meta.get("group_size") or 2) // 2, split_of=rec.epoch)
+    halves.append(Recording([rec.responses[i] for i in pick], rec.request_ids[pick],
+                            rec.prompt_index[pick], [rec.finish[i] for i in pick],
+                            rec.prompts, rec.prompt_keys, meta))
+  return halves[0], halves[1]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rhyme_jax.history.drafter import HistoryDrafter
-from rhyme_jax.history.recording import Recording, merge
+from rhyme_jax.history.recording import Recording, merge, split_groups
 from rhyme_jax.history.replay import accepted_path, replay, replay_epochs
 from rhyme_jax.history.store import HistoryStore, prompt_key
 from rhyme_jax.rollout.drafts import DraftTree, NoDrafts
@@ -95,3 +95,12 @@ def test_compiled_drafter_replays_like_the_reference(mode):
     runs.append((st.steps, st.tokens, st.drafted, st.accepted, st.no_draft_steps))
   assert runs[0] == runs[1]
   assert runs[0][3] > 0
+
+
+def test_split_groups_halves_every_group():
+  rec = recording(0, num_prompts=3, group=4)
+  hist, target = split_groups(rec)
+  assert len(hist.responses) == len(target.responses) == 6
+  assert hist.meta["group_size"] == 2 and target.epoch == 1
+  np.testing.assert_array_equal(hist.prompt_index, [0, 0, 1, 1, 2, 2])
+  assert hist.responses[1] is rec.responses[2] and target.responses[1] is rec.responses[3]
