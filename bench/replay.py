@@ -12,7 +12,7 @@ and in `observe`.
 Settings (files from bench/record.py under --dir, prompt ranges merged):
   T=0.6:   target gsm8k_T0.6_e1, history gsm8k_T0.6_e0 (previous epoch, fresh seed)
   T=1.0:   target gsm8k_T1_e1,   history gsm8k_T1_e0
-  greedy:  target gsm8k_T0_e0 (one response per prompt), history gsm8k_T0.6_e1
+  greedy:  target gsm8k_T0_e0 (one response per prompt), history gsm8k_T0.6_e1 (e0 if absent)
 
   python bench/replay.py --dir /work/recordings --budget 16 --live_rows 64
 """
@@ -82,6 +82,9 @@ def main(argv=None):
     (tt, te), hist = SETTINGS[name]
     target = load(args.dir, tt, te)
     history = [load(args.dir, t, e) for t, e in hist]
+    if name == "greedy" and history[0] is None and load(args.dir, 0.6, 0) is not None:
+      history = [load(args.dir, 0.6, 0)]  # the other T=0.6 epoch
+      name = "greedy (history T=0.6 e0)"
     if target is None and len(hist) == 1 and hist[0][0] == tt and history[0] is not None:
       # Only the history epoch is recorded: its groups split in halves stand in for two
       # epochs (same weights, independent draws), G/2 responses each.
