@@ -98,7 +98,6 @@ def parse_args(argv=None):
                  help=f"where drafting runs, each drafter once per mode, from {DRAFT_MODES}")
   p.add_argument("--budget", type=int, default=8,
                  help="verify budget: draft tokens per slot per step (static shape)")
-  p.add_argument("--start_budget", type=int, default=2, help="drafter's adaptive start budget")
   p.add_argument("--min_prob", type=float, default=0.1, help="drafter's minimum path probability")
   p.add_argument("--buckets", default="8,2", help="engine batch buckets (compiled shapes)")
   p.add_argument("--prefill_chunk", type=int, default=64)
@@ -127,12 +126,10 @@ def parse_args(argv=None):
   if bad or not args.draft_modes:
     p.error(f"--draft_modes: unknown {bad or 'empty list'}; choose from {DRAFT_MODES}")
   args.buckets = _int_list(p, "buckets", args.buckets)
-  for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget", "start_budget",
+  for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget",
                "prefill_chunk", "grpo_steps"):
     if getattr(args, flag) <= 0:
       p.error(f"--{flag}={getattr(args, flag)}: must be > 0")
-  if args.start_budget > args.budget:
-    p.error(f"--start_budget={args.start_budget} exceeds --budget={args.budget}")
   if args.noise < 0:
     p.error(f"--noise={args.noise}: must be >= 0")
   return args
@@ -212,7 +209,7 @@ def make_drafter(mode, store, args):
   return HistoryDrafter(store if mode != "siblings" else None,
                         use_history=mode in ("history", "both"),
                         use_siblings=mode in ("siblings", "both"),
-                        start_budget=args.start_budget, max_budget=args.budget,
+                        max_budget=args.budget,
                         min_prob=args.min_prob)
 
 
@@ -350,7 +347,7 @@ def main(argv=None):
        f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight "
        f"tensor"),
       f"speculative engines verify a {args.budget}-token tree per slot every step "
-      f"(HistoryDrafter adaptive budget from {args.start_budget}, min path prob "
+      f"(HistoryDrafter trees of up to the budget, best first, min path prob "
       f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
       f"history = the previous epoch's plain responses",
       "draft ms/step = host drafting on the critical path (device idle); ahead ms/step = "

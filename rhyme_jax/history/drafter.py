@@ -1,29 +1,28 @@
 """`HistoryDrafter`: HistoSpec (past epochs) + grouped (live siblings) drafts behind `DraftSource`.
 
-Per prompt, a suffix index over its stored past responses is built lazily on first use and
-cached (rebuilt when the store's entry changes). Per group, a sibling index grows as the engine
-reports emitted tokens through `observe`; every request of the group (itself included: repeats
-within one response are drafts too) drafts from it. Every indexed sequence starts with the
-`START` sentinel, so a response that has barely begun still matches the openings of others.
+What it drafts (the rule is `history.match_tree`, compiled in `history.fast_draft`): the
+longest suffix of the request's response (START-prefixed, at most `max_match` tokens) found in
+the prompt's kept past responses and in its group's live responses, falling back to shorter
+suffixes down to one token while the longer ones do not branch; the continuations of every
+match, weighted by epoch recency (`recency ** age`) and mixed over fallback levels, form a
+weighted count trie; the drafted tree is its `budget` most probable nodes, best first, with
+their path probabilities in `DraftTree.probs`. Siblings already ahead of the requester supply
+continuations; its own response counts too (repeats within one response are drafts).
 
-Per request the draft budget adapts like the released HistoSpec code: start at `start_budget`,
-double after a fully accepted draft (the deepest path accepted), halve otherwise, within
-[1, max_budget] and never above the engine's per-query budget.
+Sizes: the engine decides them. `DraftQuery.budget` (capped by `max_budget`) is the most nodes
+returned; the tree is unpadded and best-first, so any prefix of it is a tree the engine may
+truncate to by its own cost model (`probs` tell it what each node is worth). Nothing here
+adapts the size to past acceptance (a halving budget collapses to 1-2 nodes under sampling).
 
-Engine protocol: `propose(queries)` before each step, `observe(request_id, group_id,
-new_tokens, drafted, accepted)` after it (`new_tokens` = tokens the request emitted in the step,
-`accepted` = draft tokens accepted, bonus excluded), `finish` when a request ends, `end_group`
-when no further request of the group will run. The trainer calls `record_group` for each
-finished group (the next epoch drafts from it) and `begin_epoch` at epoch boundaries.
+Speed: every indexed sequence lives in one persistent `fast_draft.Arena`; emitted tokens are
+appended in place by `observe`; `propose` drafts all queries of a step in one compiled call.
 
-Drafting off the critical path: a request's next draft depends on what the current step emits,
-so it cannot simply be computed while that step runs. `lookahead` drafts a deeper tree from the
-context *before* the step (the engine runs it in a background thread while the device
-verifies); next step the engine passes the subtree continuing the emitted tokens as
-`DraftQuery.ahead`, and `propose` takes it (cut to the adaptive budget) instead of matching
-again. It is the walk the synchronous draft would start, anchored on a longer context: the
-matched suffix plus the emitted tokens. When the emitted tokens left that tree, `propose`
-drafts synchronously as before.
+Engine protocol: `propose(queries)` before each step; `observe(request_id, group_id,
+new_tokens, drafted, accepted)` after it; `finish` when a request ends; `end_group` when no
+further request of the group will run; optional `lookahead(queries)` (a deeper tree drafted
+while the device verifies; next step `DraftQuery.ahead` carries its continuation and `propose`
+takes it). Trainer: `record_group` per finished group, `begin_epoch` at epoch boundaries,
+`epoch_summary()` for per-epoch acceptance metrics.
 """
 
 from __future__ import annotations
@@ -35,12 +34,13 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from rhyme_jax.history import fast_draft, match_tree
 from rhyme_jax.history.store import HistoryStore, prompt_key as hash_prompt
-from rhyme_jax.history.suffix_index import SuffixIndex
-from rhyme_jax.history.tree_draft import Source, build_tree, match_sources, tree_depth
 from rhyme_jax.rollout.drafts import DraftQuery, DraftTree
 
-START = -1  # sentinel opening every indexed response (never drafted)
+START = fast_draft.START  # sentinel opening every indexed response (never drafted)
+HISTORY, SIBLING = 0, 1  # segment kinds
+_NO_SEGS = np.zeros(0, np.int64)
 
 
 def store_key(key: Hashable) -> Hashable:
@@ -54,57 +54,57 @@ def store_key(key: Hashable) -> Hashable:
 @dataclasses.dataclass
 class _Request:
   group_id: Hashable
-  budget: int
-  last_depth: int = 0  # depth of the last proposed tree (0 = nothing drafted)
-  seq_id: int | None = None  # its sequence in the group's sibling index
-  indexed: int = 0  # response tokens already in the sibling index
+  seg: int  # its own segment in the arena (START + response so far)
+  length: int  # response tokens in it (a Python int: cheaper than reading the arena's)
+  key: Hashable = None  # its prompt's history-store key
+  history: tuple = (None, 0, 0)  # (store version, postings lo, hi) last looked up
 
 
 @dataclasses.dataclass
 class _Group:
-  index: SuffixIndex
+  segs: list = dataclasses.field(default_factory=list)
   live: set = dataclasses.field(default_factory=set)
+  array: np.ndarray | None = None  # segs as an array, rebuilt when a sibling joins
 
 
 class HistoryDrafter:
   """DraftSource drafting token trees from a prompt's past responses and its live siblings."""
 
   def __init__(self, store: HistoryStore | None = None, *, use_history: bool = True,
-               use_siblings: bool = True, min_match: int = 2, max_match: int = 8,
-               min_prob: float = 0.1, start_budget: int = 2, max_budget: int = 16,
-               fallback_decay: float = 0.5, history_weight: float = 1.0,
-               sibling_weight: float = 1.0, index_cache: int = 512,
-               idle_groups_kept: int = 256):
-    if not 1 <= min_match <= max_match:
-      raise ValueError(f"HistoryDrafter: need 1 <= min_match ({min_match}) <= max_match "
-                       f"({max_match})")
-    if not 1 <= start_budget <= max_budget:
-      raise ValueError(f"HistoryDrafter: need 1 <= start_budget ({start_budget}) <= max_budget "
-                       f"({max_budget})")
+               use_siblings: bool = True, max_budget: int = 64, max_match: int = 8,
+               min_prob: float = 0.02, fallback_decay: float = 0.5, max_levels: int = 4,
+               recency: float = 0.5, history_weight: float = 1.0, sibling_weight: float = 1.0,
+               response_capacity: int = 320, index_cache: int = 512,
+               idle_groups_kept: int = 256, compiled: bool = True):
+    if max_budget < 1 or max_match < 1 or max_levels < 1:
+      raise ValueError(f"HistoryDrafter: max_budget ({max_budget}), max_match ({max_match}) and "
+                       f"max_levels ({max_levels}) must be >= 1")
     if not 0.0 < min_prob <= 1.0:
       raise ValueError(f"HistoryDrafter: min_prob must be in (0, 1], got {min_prob}")
+    if not 0.0 < recency <= 1.0 or not 0.0 < fallback_decay <= 1.0:
+      raise ValueError(f"HistoryDrafter: recency ({recency}) and fallback_decay "
+                       f"({fallback_decay}) must be in (0, 1]")
     if use_history and store is None:
       raise ValueError("HistoryDrafter: use_history=True needs a HistoryStore")
     self.store = store
-    self.use_history = use_history
-    self.use_siblings = use_siblings
-    self.min_match, self.max_match = min_match, max_match
-    self.min_prob = min_prob
-    self.start_budget, self.max_budget = start_budget, max_budget
-    self.fallback_decay = fallback_decay
+    self.use_history, self.use_siblings = use_history, use_siblings
+    self.max_budget, self.max_match, self.max_levels = max_budget, max_match, max_levels
+    self.min_prob, self.fallback_decay, self.recency = min_prob, fallback_decay, recency
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
-    # Strings asked about: a match (<= max_match) plus a path of <= 2 * max_budget + 1 tokens
-    # (a tree drafted ahead spans this step's draft, its bonus token and the next draft).
-    self.index_depth = max_match + 2 * max_budget + 2
-    self.index_cache = index_cache
-    self.idle_groups_kept = idle_groups_kept
+    self.response_capacity = response_capacity
+    self.compiled = compiled  # False: the readable reference (match_tree), query by query
+    self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
     self.epoch = 0
-    self._history: collections.OrderedDict[Hashable, tuple[int, SuffixIndex]] = (
+    self.arena = fast_draft.Arena()
+    self.postings = fast_draft.Postings()  # of the past responses (static): no scan
+    # prompt key -> (store version, its segments, their postings id)
+    self._history: collections.OrderedDict[Hashable, tuple[int, np.ndarray, int]] = (
         collections.OrderedDict())
     self._requests: dict[int, _Request] = {}
     self._groups: dict[Hashable, _Group] = {}
     self._idle_groups: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
     self.stats: dict[str, float] = collections.defaultdict(float)
+    self._epoch_stats: dict[str, float] = collections.defaultdict(float)
 
   # --- trainer side -------------------------------------------------------------------------
 
@@ -120,142 +120,199 @@ class HistoryDrafter:
     self.store.add_group(store_key(prompt_key), self.epoch if epoch is None else epoch,
                          responses, rewards)
 
+  def epoch_summary(self) -> dict[str, float]:
+    """Acceptance since the last call (per data epoch, for the trainer's log), then resets:
+    accepted_length = tokens emitted per verify step of a request (bonus included),
+    hit_rate = accepted / drafted nodes, drafted_per_step, no_draft_frac (steps that had no
+    draft), draft_us_per_query (host drafting time)."""
+    s, self._epoch_stats = self._epoch_stats, collections.defaultdict(float)
+    steps = max(s["steps"], 1)
+    return {"accepted_length": s["emitted"] / steps,
+            "hit_rate": s["accepted"] / max(s["drafted"], 1),
+            "drafted_per_step": s["drafted"] / steps,
+            "no_draft_frac": s["no_draft_steps"] / steps,
+            "draft_us_per_query": 1e6 * s["propose_seconds"] / max(s["queries"], 1)}
+
   # --- indexes ------------------------------------------------------------------------------
 
-  def _history_index(self, key: Hashable) -> SuffixIndex | None:
+  def _history_range(self, key: Hashable) -> tuple[int, int]:
+    """The postings range of a prompt's kept past responses (built once per store version)."""
     version = self.store.version(key)
-    if version is None:
-      return None
     cached = self._history.get(key)
     if cached is not None and cached[0] == version:
       self._history.move_to_end(key)
-      return cached[1]
+      return self.postings.range(cached[2])
+    if cached is not None:
+      self._free_history(key)
+    if version is None:
+      return (0, 0)
     t0 = time.perf_counter()
-    index = SuffixIndex(self.index_depth)
-    for r in self.store.responses(key):
-      index.add_sequence(np.concatenate([[START], r]))
-    self._history[key] = (version, index)
-    self._history.move_to_end(key)
+    groups = self.store.get(key) or []
+    latest = max((g.epoch for g in groups), default=0)
+    segs = np.array([self.arena.add(r, HISTORY, self.recency ** (latest - g.epoch))
+                     for g in groups for r in g.responses], np.int64)
+    pid = self.postings.add(self.arena, segs)
+    self._history[key] = (version, segs, pid)
     while len(self._history) > self.index_cache:
-      self._history.popitem(last=False)
+      self._free_history(next(iter(self._history)))
     self.stats["history_index_builds"] += 1
     self.stats["history_index_seconds"] += time.perf_counter() - t0
-    return index
+    return self.postings.range(pid)
 
-  def _request(self, request_id: int, group_id: Hashable) -> _Request:
-    req = self._requests.get(request_id)
-    if req is None:
-      req = _Request(group_id, self.start_budget)
-      self._requests[request_id] = req
-    return req
+  def _free_history(self, key: Hashable) -> None:
+    _, segs, pid = self._history.pop(key)
+    self.postings.free(pid)
+    for s in segs.tolist():
+      self.arena.free(s)
 
   def _group(self, group_id: Hashable) -> _Group:
     group = self._groups.get(group_id)
     if group is None:
-      group = _Group(SuffixIndex(self.index_depth))
-      self._groups[group_id] = group
+      group = self._groups[group_id] = _Group()
     self._idle_groups.pop(group_id, None)
     return group
 
-  def _feed_sibling(self, request_id: int, req: _Request, tokens: np.ndarray) -> None:
-    if not self.use_siblings or len(tokens) == 0:
-      return
-    group = self._group(req.group_id)
-    group.live.add(request_id)
-    if req.seq_id is None:
-      req.seq_id = group.index.add_sequence([START])
-    group.index.extend(req.seq_id, tokens)
-    req.indexed += len(tokens)
-
-  # --- DraftSource --------------------------------------------------------------------------
-
-  def budget_of(self, request_id: int) -> int:
-    """The adaptive draft budget a request would get now (start_budget if unseen)."""
+  def _request(self, request_id: int, group_id: Hashable, response: np.ndarray) -> _Request:
+    """The request's state, its own segment synchronised with `response`."""
     req = self._requests.get(request_id)
-    return self.start_budget if req is None else req.budget
+    if req is None:
+      seg = self.arena.add(np.asarray(response, np.int32), SIBLING, 1.0, self.response_capacity)
+      req = self._requests[request_id] = _Request(group_id, seg, len(response))
+      group = self._group(group_id)
+      group.segs.append(seg)
+      group.live.add(request_id)
+      group.array = None
+      return req
+    if req.length < len(response):  # tokens `observe` did not report
+      self.arena.extend(req.seg, np.asarray(response[req.length:], np.int32))
+      req.length = len(response)
+    return req
 
-  def context(self, response: np.ndarray) -> np.ndarray:
-    """The tail matched against the indexes (START-prefixed while the response is short)."""
-    tail = np.asarray(response, np.int64)[-self.max_match:]
-    if len(response) < self.max_match:
-      tail = np.concatenate([[START], tail])
-    return tail
+  # --- drafting -----------------------------------------------------------------------------
 
-  def _draft(self, q: DraftQuery, budget: int) -> DraftTree:
-    """A best-first tree of <= budget tokens from the matched suffixes (padded to q.budget)."""
-    response = np.asarray(q.response, np.int64).reshape(-1)
-    sources: list[Source] = []
-    ctx = self.context(response)
-    # An empty response is [START] alone: one token, but anchored at the start of every
-    # indexed response, so it drafts how past responses (or siblings) began.
-    min_len = 1 if len(response) == 0 else self.min_match
-    if budget > 0 and self.use_history:
-      index = self._history_index(store_key(q.prompt_key))
-      if index is not None:
-        sources += match_sources(index, ctx, min_len=min_len, max_len=self.max_match,
-                                 weight=self.history_weight, decay=self.fallback_decay)
-    if budget > 0 and self.use_siblings and q.group_id in self._groups:
-      sources += match_sources(self._groups[q.group_id].index, ctx, min_len=min_len,
-                               max_len=self.max_match, weight=self.sibling_weight,
-                               decay=self.fallback_decay)
-    tree, _ = build_tree(sources, max(budget, 0), min_prob=self.min_prob, pad_to=q.budget)
-    return tree
+  def _draft_batch(self, queries: Sequence[DraftQuery], budgets: list[int]) -> list[DraftTree]:
+    own, parts, counts, plo, phi = [], [], [], [], []
+    version = self.store.version if self.use_history else None
+    for q in queries:
+      req = self._request(q.request_id, q.group_id, q.response)
+      own.append(req.seg)
+      if version is not None:
+        if req.key is None:
+          req.key = store_key(q.prompt_key)
+        v = version(req.key)
+        if v != req.history[0] or v is None:
+          req.history = (v, *self._history_range(req.key))
+        plo.append(req.history[1])
+        phi.append(req.history[2])
+      else:
+        plo.append(0)
+        phi.append(0)
+      n = 0
+      if self.use_siblings:
+        group = self._groups[req.group_id]
+        if group.array is None:
+          group.array = np.array(group.segs, np.int64)
+        parts.append(group.array)
+        n += len(group.array)
+      counts.append(n)
+    if not self.compiled:
+      return self._draft_reference(queries, budgets, own, parts)
+    q_segs = np.concatenate(parts) if parts else _NO_SEGS
+    q_ptr = np.zeros(len(queries) + 1, np.int64)
+    np.cumsum(counts, out=q_ptr[1:])
+    width = max(max(budgets, default=0), 1)
+    out_tok = np.zeros((len(queries), width), np.int32)
+    out_par = np.zeros((len(queries), width), np.int32)
+    out_prob = np.zeros((len(queries), width), np.float32)
+    out_n = np.zeros(len(queries), np.int64)
+    a = self.arena
+    fast_draft.draft_batch(a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind,
+                           np.array(own, np.int64), q_ptr, q_segs, np.array(budgets, np.int64),
+                           self.max_match, self.min_prob, self.fallback_decay, self.max_levels,
+                           self.history_weight, self.sibling_weight, out_tok, out_par, out_prob,
+                           out_n, self.postings.tok, self.postings.seg, self.postings.pos,
+                           np.array(plo, np.int64), np.array(phi, np.int64))
+    ones = np.ones(width, bool)
+    self._drafted_nodes = int(out_n.sum())
+    return [DraftTree(out_tok[i, :n], out_par[i, :n], ones[:n], out_prob[i, :n])
+            for i, n in enumerate(out_n.tolist())]
+
+  def _draft_reference(self, queries, budgets, own, parts) -> list[DraftTree]:
+    """The same trees from `match_tree.draft_reference` (slow; for tests and comparisons)."""
+    a, out, nodes = self.arena, [], 0
+    parts = iter(parts)
+    for q, budget, seg in zip(queries, budgets, own):
+      req = self._requests[q.request_id]
+      segs = []
+      if self.use_history and req.key in self._history:
+        segs += self._history[req.key][1].tolist()
+      if self.use_siblings:
+        segs += next(parts).tolist()
+      view = [(a.segment(s), int(a.seg_kind[s]), float(a.seg_weight[s])) for s in segs]
+      tokens, parents, probs = match_tree.draft_reference(
+          view, a.segment(seg)[-self.max_match:], budget, min_prob=self.min_prob,
+          decay=self.fallback_decay, max_levels=self.max_levels,
+          kind_weights=(self.history_weight, self.sibling_weight))
+      out.append(DraftTree(tokens, parents, np.ones(len(tokens), bool), probs))
+      nodes += len(tokens)
+    self._drafted_nodes = nodes
+    return out
 
   def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
     t0 = time.perf_counter()
-    out = []
-    for q in queries:
-      req = self._request(q.request_id, q.group_id)
-      if self.use_siblings and req.indexed < len(q.response):  # tokens observe did not report
-        self._feed_sibling(q.request_id, req, np.asarray(q.response[req.indexed:], np.int64))
-      budget = max(min(req.budget, q.budget, self.max_budget), 0)
-      if q.ahead is not None:  # drafted ahead (best-first order): its first `budget` nodes
-        tree = q.ahead.padded(budget).padded(q.budget)
-        self.stats["ahead_used"] += 1
-        self.stats["ahead_tokens"] += tree.size
-      else:
-        tree = self._draft(q, budget)
-      req.last_depth = tree_depth(tree)
-      self.stats["draft_tokens"] += tree.size
-      out.append(tree)
+    budgets = [max(min(q.budget, self.max_budget), 0) for q in queries]
+    todo = [i for i, q in enumerate(queries) if q.ahead is None]
+    out: list[DraftTree | None] = [None] * len(queries)
+    if len(todo) < len(queries):  # drafted ahead (best-first): its first `budget` nodes
+      for i, q in enumerate(queries):
+        if q.ahead is not None:
+          self._request(q.request_id, q.group_id, q.response)
+          out[i] = q.ahead.padded(min(budgets[i], len(q.ahead.tokens)))
+          self.stats["ahead_used"] += 1
+          self.stats["ahead_tokens"] += out[i].size
+          self.stats["draft_tokens"] += out[i].size
+    if len(todo) == len(queries):
+      out = self._draft_batch(queries, budgets)
+      self.stats["draft_tokens"] += self._drafted_nodes
+    elif todo:
+      trees = self._draft_batch([queries[i] for i in todo], [budgets[i] for i in todo])
+      self.stats["draft_tokens"] += self._drafted_nodes
+      for i, tree in zip(todo, trees):
+        out[i] = tree
+    dt = time.perf_counter() - t0
     self.stats["propose_calls"] += 1
     self.stats["propose_queries"] += len(queries)
-    self.stats["propose_seconds"] += time.perf_counter() - t0
+    self.stats["propose_seconds"] += dt
+    self._epoch_stats["queries"] += len(queries)
+    self._epoch_stats["propose_seconds"] += dt
     return out
 
   def lookahead(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
-    """Deeper trees for drafting ahead (up to q.budget tokens, enough for this step's adaptive
-    draft, its bonus and the next one); reads budgets, indexes and the store and changes nothing
-    `propose` / `observe` read (a history index may be built and cached)."""
+    """Deeper trees for drafting ahead (up to q.budget nodes); changes nothing `propose` /
+    `observe` read (the requests' segments are synchronised with their responses, a no-op
+    when `observe` reported every token)."""
     t0 = time.perf_counter()
-    out = []
-    for q in queries:
-      # No use drafting deeper than this step's draft, its bonus and the next adaptive budget
-      # (at most twice this one): trees past that would be cut anyway.
-      req = self._requests.get(q.request_id)
-      now = self.start_budget if req is None else req.budget
-      cap = min(now, self.max_budget) + 1 + min(2 * now, self.max_budget)
-      out.append(self._draft(q, min(q.budget, cap)))
+    out = self._draft_batch(queries, [max(q.budget, 0) for q in queries])
     self.stats["lookahead_queries"] += len(queries)
     self.stats["lookahead_seconds"] += time.perf_counter() - t0
     return out
 
   def observe(self, request_id: int, group_id: Hashable, new_tokens: np.ndarray,
               drafted: int, accepted: int) -> None:
-    t0 = time.perf_counter()
-    req = self._request(request_id, group_id)
-    depth = req.last_depth if req.last_depth > 0 else int(drafted)
-    if depth > 0:  # budgets move only on steps that drafted something
-      if accepted >= depth:
-        req.budget = min(2 * req.budget, self.max_budget)
-      else:
-        req.budget = max(req.budget // 2, 1)
-    req.last_depth = 0
-    self._feed_sibling(request_id, req, np.asarray(new_tokens, np.int64).reshape(-1))
+    req = self._requests.get(request_id)
+    new = np.asarray(new_tokens, np.int32).reshape(-1)
+    if req is not None and len(new):
+      self.arena.extend(req.seg, new)
+      req.length += len(new)
     self.stats["observe_calls"] += 1
     self.stats["drafted_tokens"] += int(drafted)
     self.stats["accepted_tokens"] += int(accepted)
-    self.stats["observe_seconds"] += time.perf_counter() - t0
+    e = self._epoch_stats
+    e["steps"] += 1
+    e["emitted"] += len(new)
+    e["drafted"] += int(drafted)
+    e["accepted"] += int(accepted)
+    e["no_draft_steps"] += int(drafted) == 0
 
   def finish(self, request_id: int, group_id: Hashable) -> None:
     """Drops the request's state; its tokens stay in the group index for later siblings."""
@@ -269,12 +326,21 @@ class HistoryDrafter:
       self._idle_groups.move_to_end(group_id)
       while len(self._idle_groups) > self.idle_groups_kept:
         old, _ = self._idle_groups.popitem(last=False)
-        self._groups.pop(old, None)
+        self._drop_group(old)
 
   def end_group(self, group_id: Hashable) -> None:
     """Frees a group's sibling index (no further request of it will run)."""
-    self._groups.pop(group_id, None)
     self._idle_groups.pop(group_id, None)
+    self._drop_group(group_id)
+
+  def _drop_group(self, group_id: Hashable) -> None:
+    group = self._groups.pop(group_id, None)
+    if group is None:
+      return
+    for rid in list(group.live):
+      self._requests.pop(rid, None)
+    for s in group.segs:
+      self.arena.free(s)
 
   @property
   def live_groups(self) -> int:

@@ -21,6 +21,9 @@ class DraftTree:
   tokens: np.ndarray  # int32[T]
   parents: np.ndarray  # int32[T], -1 = child of the root
   valid: np.ndarray  # bool[T]
+  # The drafter's estimate that each node's path is accepted (float32[T], non-increasing in
+  # best-first order where it can be); optional, for the engine's cost model.
+  probs: np.ndarray | None = None
 
   @classmethod
   def empty(cls, budget: int) -> "DraftTree":

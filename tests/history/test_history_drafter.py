@@ -30,78 +30,58 @@ def test_exact_history_drafts_the_true_continuation(pos, max_budget, seed):
   future = true_response(seed)
   store = HistoryStore()
   store.add_group(KEY, 0, [future] * 4)
-  drafter = HistoryDrafter(store, use_siblings=False, start_budget=max_budget,
-                           max_budget=max_budget)
+  drafter = HistoryDrafter(store, use_siblings=False, max_budget=max_budget)
   tree, = drafter.propose([query(future[:pos], budget=16)])
   n = min(max_budget, len(future) - pos)
-  assert tree.size == n and len(tree.tokens) == 16
+  assert tree.size == n and len(tree.tokens) == n  # unpadded
   np.testing.assert_array_equal(tree.tokens[:n], future[pos:pos + n])
   np.testing.assert_array_equal(tree.parents[:n], np.arange(n) - 1)
 
 
-def test_budget_grows_to_full_chain_when_drafts_are_accepted():
-  future = true_response(1)
-  store = HistoryStore()
-  store.add_group(KEY, 0, [future])
-  drafter = HistoryDrafter(store, start_budget=2, max_budget=16)
-  pos, sizes = 5, []
-  while pos < 60:
-    tree, = drafter.propose([query(future[:pos])])
-    sizes.append(tree.size)
-    np.testing.assert_array_equal(tree.tokens[:tree.size], future[pos:pos + tree.size])
-    accepted = tree.size  # the target agrees with the history: everything accepted + bonus
-    new = future[pos:pos + accepted + 1]
-    drafter.observe(0, "g", new, tree.size, accepted)
-    pos += len(new)
-  assert sizes[:4] == [2, 4, 8, 16] and set(sizes[4:]) <= {16}
-
-
-def test_adaptive_budget_doubles_halves_and_is_capped():
-  future = true_response(2)
-  store = HistoryStore()
-  store.add_group(KEY, 0, [future])
-  drafter = HistoryDrafter(store, use_siblings=False, start_budget=4, max_budget=8)
-  assert drafter.budget_of(0) == 4
-  tree, = drafter.propose([query(future[:10])])
-  assert tree.size == 4
-  drafter.observe(0, "g", future[10:12], 4, 1)  # partly accepted: halve
-  assert drafter.budget_of(0) == 2
-  drafter.propose([query(future[:12])])
-  drafter.observe(0, "g", future[12:13], 2, 0)
-  assert drafter.budget_of(0) == 1
-  drafter.propose([query(future[:13])])
-  drafter.observe(0, "g", future[13:14], 1, 0)
-  assert drafter.budget_of(0) == 1  # floor
-  for expected in [2, 4, 8, 8]:  # fully accepted: double, up to max_budget
-    tree, = drafter.propose([query(future[:20])])
-    drafter.observe(0, "g", future[20:21], tree.size, tree.size)
-    assert drafter.budget_of(0) == expected
-  tree, = drafter.propose([query(future[:20], budget=3)])  # the engine's budget caps it
-  assert tree.size == 3 and len(tree.tokens) == 3
-  # A step that drafted nothing (no history for this prompt) leaves the budget alone.
-  other = DraftQuery(5, "h", "unknown", PROMPT, future[:20], 16)
-  tree, = drafter.propose([other])
-  assert tree.size == 0
-  drafter.observe(5, "h", future[20:21], 0, 0)
-  assert drafter.budget_of(5) == 4
-
-
-def test_tree_full_acceptance_means_the_deepest_path():
+def test_unpadded_best_first_trees_with_path_probabilities():
+  """Two histories that agree for 20 tokens then split: a chain with probability 1, then two
+  branches of 1/2; sizes are the engine's budget, never adapted."""
   a = list(range(100, 140))
   b = list(range(100, 120)) + [7, 8, 9]
   store = HistoryStore()
   store.add_group(KEY, 0, [a, b])
-  drafter = HistoryDrafter(store, use_siblings=False, start_budget=8, max_budget=16)
-  tree, = drafter.propose([query(a[:18])])
-  depth = tree_depth(tree)
-  assert tree.size == 8 and depth < tree.size  # branched at 120 vs 7
-  drafter.observe(0, "g", np.asarray(a[18:18 + depth + 1]), tree.size, depth)
-  assert drafter.budget_of(0) == 16
+  drafter = HistoryDrafter(store, use_siblings=False, max_budget=16)
+  for pos in range(3, 6):  # rejections do not shrink anything
+    tree, = drafter.propose([query(a[:pos], budget=8)])
+    assert len(tree.tokens) == tree.size == 8 and tree.valid.all()
+    drafter.observe(0, "g", np.asarray(a[pos:pos + 1]), 8, 0)
+  tree, = drafter.propose([query(a[:18], budget=8, request_id=1)])
+  assert tree_depth(tree) < tree.size  # branched at 120 vs 7
+  np.testing.assert_allclose(tree.probs[:2], [1.0, 1.0])
+  np.testing.assert_allclose(tree.probs[2:4], [0.5, 0.5])
+  assert np.all(np.diff(tree.probs) <= 0)
+  assert np.all(tree.parents < np.arange(8))
+
+
+def test_falls_back_to_one_token_suffixes():
+  """A context whose two-token suffix was never seen still drafts from its last token."""
+  past = list(range(300, 340))
+  store = HistoryStore()
+  store.add_group(KEY, 0, [past])
+  drafter = HistoryDrafter(store, use_siblings=False, max_budget=4)
+  tree, = drafter.propose([query([999, 310], budget=4)])  # (999, 310) never occurs; 310 does
+  np.testing.assert_array_equal(tree.tokens, past[11:15])
+
+
+def test_recent_epochs_weigh_more():
+  """Two kept epochs disagree after the match: the newer one's continuation comes first."""
+  store = HistoryStore(epochs_kept=2)
+  store.add_group(KEY, 0, [[1, 2, 3, 4, 50]])
+  store.add_group(KEY, 1, [[1, 2, 3, 4, 60]])
+  drafter = HistoryDrafter(store, use_siblings=False, recency=0.5, max_budget=2)
+  tree, = drafter.propose([query([1, 2, 3, 4], budget=2)])
+  np.testing.assert_array_equal(tree.tokens, [60, 50])
+  np.testing.assert_allclose(tree.probs, [2 / 3, 1 / 3], rtol=1e-6)
 
 
 def test_siblings_draft_for_a_prompt_without_history():
   leader = true_response(3, 80)
-  drafter = HistoryDrafter(HistoryStore(), start_budget=8, max_budget=8)
+  drafter = HistoryDrafter(HistoryStore(), max_budget=8)
   # Request 0 generates; request 1 of the same group starts later on the same path.
   drafter.propose([query(leader[:1], request_id=0)])
   for pos in range(1, 60, 3):
@@ -112,7 +92,7 @@ def test_siblings_draft_for_a_prompt_without_history():
   tree, = drafter.propose([query(leader[:10], request_id=2, group_id="other")])
   assert tree.size == 0
   # Without siblings there is nothing to draft from.
-  lonely = HistoryDrafter(HistoryStore(), use_siblings=False, start_budget=8, max_budget=8)
+  lonely = HistoryDrafter(HistoryStore(), use_siblings=False, max_budget=8)
   tree, = lonely.propose([query(leader[:10], request_id=1)])
   assert tree.size == 0
 
@@ -128,13 +108,13 @@ def test_response_sync_equals_observed_tokens():
   ta, = via_observe.propose([query(leader[:20], request_id=1)])
   tb, = via_query.propose([query(leader[:20], request_id=1)])
   np.testing.assert_array_equal(ta.tokens, tb.tokens)
-  assert ta.size == 2
+  np.testing.assert_array_equal(ta.tokens, leader[20:36])
 
 
 def test_history_and_siblings_merge_and_record_group_invalidates():
   old = list(range(200, 260))
   store = HistoryStore()
-  drafter = HistoryDrafter(store, start_budget=8, max_budget=8)
+  drafter = HistoryDrafter(store, max_budget=8)
   drafter.begin_epoch(0)
   drafter.record_group(KEY, [old], [1.0])
   tree, = drafter.propose([query(old[:10])])
@@ -165,36 +145,52 @@ def test_finish_and_end_group_free_state_and_stats_accumulate():
   assert drafter.stats["accepted_tokens"] == 4 and drafter.stats["propose_seconds"] > 0
 
 
-def test_lookahead_changes_no_adaptive_state_and_its_continuation_is_the_true_one():
+def test_lookahead_changes_nothing_and_its_continuation_is_the_true_one():
   """A tree drafted ahead from the context before a step, cut below the emitted tokens, drafts
-  the true continuation; `lookahead` leaves budgets and stats `observe` reads untouched."""
+  the true continuation, as a synchronous draft would; `lookahead` counts no proposal."""
   future = true_response(5)
   store = HistoryStore()
   store.add_group(KEY, 0, [future, future[::-1]])
-  drafter = HistoryDrafter(store, start_budget=2, max_budget=8)
+  drafter = HistoryDrafter(store, max_budget=8)
   pos = 10
   q = query(future[:pos], budget=8)
   wide, = drafter.lookahead([dataclasses.replace(q, budget=17)])
-  # Capped at this step's adaptive draft (2) + bonus + the next budget (<= 4): one chain.
-  assert wide.size == 7 and tree_depth(wide) == 7
-  assert drafter.budget_of(0) == 2 and drafter.stats["propose_calls"] == 0
+  assert wide.size == 17 and tree_depth(wide) == 17  # lookahead may go past max_budget
+  assert drafter.stats["propose_calls"] == 0
   emitted = future[pos:pos + 3]  # two drafted tokens accepted + the bonus
   ahead = wide.after(emitted)
   tree, = drafter.propose([dataclasses.replace(query(np.concatenate([future[:pos], emitted])),
                                                ahead=ahead)])
   assert drafter.stats["ahead_used"] == 1
-  assert tree.size == 2  # the adaptive budget still applies
-  np.testing.assert_array_equal(tree.tokens[:2], future[pos + 3:pos + 5])
-  synchronous, = HistoryDrafter(store, start_budget=2, max_budget=8).propose(
+  assert tree.size == 8  # the query's budget (capped by max_budget) still applies
+  np.testing.assert_array_equal(tree.tokens, future[pos + 3:pos + 11])
+  synchronous, = HistoryDrafter(store, max_budget=8).propose(
       [query(np.concatenate([future[:pos], emitted]))])
   np.testing.assert_array_equal(tree.tokens, synchronous.tokens)
   assert wide.after(future[pos:pos + 2][::-1]) is None  # emitted tokens that left the tree
 
 
+def test_epoch_summary_reports_and_resets():
+  future = true_response(6)
+  store = HistoryStore()
+  store.add_group(KEY, 0, [future])
+  drafter = HistoryDrafter(store, use_siblings=False, max_budget=4)
+  tree, = drafter.propose([query(future[:10], budget=4)])
+  drafter.observe(0, "g", future[10:15], tree.size, 4)
+  drafter.propose([query(future[:15], budget=4)])
+  drafter.observe(0, "g", future[15:16], 0, 0)
+  s = drafter.epoch_summary()
+  assert s["accepted_length"] == 3.0 and s["hit_rate"] == 1.0 and s["no_draft_frac"] == 0.5
+  assert s["drafted_per_step"] == 2.0 and s["draft_us_per_query"] > 0
+  assert drafter.epoch_summary()["accepted_length"] == 0.0
+
+
 def test_bad_config_is_named():
-  with pytest.raises(ValueError, match="min_match"):
-    HistoryDrafter(HistoryStore(), min_match=5, max_match=3)
-  with pytest.raises(ValueError, match="start_budget"):
-    HistoryDrafter(HistoryStore(), start_budget=32, max_budget=16)
+  with pytest.raises(ValueError, match="max_match"):
+    HistoryDrafter(HistoryStore(), max_match=0)
+  with pytest.raises(ValueError, match="min_prob"):
+    HistoryDrafter(HistoryStore(), min_prob=0.0)
+  with pytest.raises(ValueError, match="recency"):
+    HistoryDrafter(HistoryStore(), recency=1.5)
   with pytest.raises(ValueError, match="needs a HistoryStore"):
     HistoryDrafter(None)

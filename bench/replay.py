@@ -1,0 +1,139 @@
+"""Replays recorded SmolLM2 GSM8K rollouts through `HistoryDrafter`: acceptance with no model.
+
+With position-keyed sampling a speculative rollout emits the recorded plain tokens, so each
+verify step's accepted length is 1 + the longest drafted tree path matching the recorded
+continuation (`rhyme_jax.history.replay`). Per setting (a target epoch and the history it
+drafts from) and drafter mode (history only, siblings only, both), `--live_rows` requests run
+together as in the engine's continuous batching; reported: mean accepted length per verify
+(bonus included), drafted nodes per step, hit rate (accepted / drafted), share of steps without
+a draft, host microseconds per query in `propose` (all queries of a step drafted in one call)
+and in `observe`.
+
+Settings (files from bench/record.py under --dir, prompt ranges merged):
+  T=0.6:   target gsm8k_T0.6_e1, history gsm8k_T0.6_e0 (previous epoch, fresh seed)
+  T=1.0:   target gsm8k_T1_e1,   history gsm8k_T1_e0
+  greedy:  target gsm8k_T0_e0 (one response per prompt), history gsm8k_T0.6_e1 (e0 if absent)
+
+  python bench/replay.py --dir /work/recordings --budget 16 --live_rows 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+from rhyme_jax.history import fast_draft  # noqa: E402
+from rhyme_jax.history.drafter import HistoryDrafter  # noqa: E402
+from rhyme_jax.history.recording import Recording, merge, split_groups  # noqa: E402
+from rhyme_jax.history.replay import replay_epochs  # noqa: E402
+from rhyme_jax.history.store import HistoryStore  # noqa: E402
+
+MODES = ("history", "siblings", "both")
+SETTINGS = {  # name: (target (T, epoch), history [(T, epoch)])
+    "T=0.6": ((0.6, 1), [(0.6, 0)]),
+    "T=1.0": ((1.0, 1), [(1.0, 0)]),
+    "greedy": ((0.0, 0), [(0.6, 1)]),
+}
+
+
+def load(directory: str, temp: float, epoch: int) -> Recording | None:
+  paths = sorted(glob.glob(os.path.join(directory, f"gsm8k_T{temp:g}_e{epoch}_*.npz")),
+                 key=lambda p: int(p.rsplit("_p", 1)[1].split("-")[0]))
+  return merge([Recording.load(p) for p in paths]) if paths else None
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--dir", default="/work/recordings", help="recordings from bench/record.py")
+  p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {tuple(SETTINGS)}")
+  p.add_argument("--modes", default=",".join(MODES), help=f"from {MODES}")
+  p.add_argument("--budget", type=int, default=16, help="draft nodes per request per step")
+  p.add_argument("--live_rows", type=int, default=64, help="requests drafted together")
+  p.add_argument("--min_prob", type=float, default=0.02)
+  p.add_argument("--max_match", type=int, default=8)
+  p.add_argument("--reference", action="store_true",
+                 help="also replay the readable Python reference drafter (mode 'both'): same "
+                      "statistics required, its time reported")
+  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
+  p.add_argument("--note", action="append", default=[])
+  args = p.parse_args(argv)
+  args.settings = [s for s in args.settings.split(",") if s]
+  args.modes = [m for m in args.modes.split(",") if m]
+  for flag, got, known in (("settings", args.settings, SETTINGS), ("modes", args.modes, MODES)):
+    bad = [x for x in got if x not in known]
+    if bad or not got:
+      p.error(f"--{flag}: unknown {bad or 'empty list'}; choose from {tuple(known)}")
+  if args.budget < 1 or args.live_rows < 1:
+    p.error("--budget and --live_rows must be >= 1")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if not os.path.isdir(args.dir):
+    raise SystemExit(f"--dir={args.dir}: no such directory")
+  rows, notes = [], []
+  for name in args.settings:
+    (tt, te), hist = SETTINGS[name]
+    target = load(args.dir, tt, te)
+    history = [load(args.dir, t, e) for t, e in hist]
+    if name == "greedy" and history[0] is None and load(args.dir, 0.6, 0) is not None:
+      history = [load(args.dir, 0.6, 0)]  # the other T=0.6 epoch
+      name = "greedy (history T=0.6 e0)"
+    if target is None and len(hist) == 1 and hist[0][0] == tt and history[0] is not None:
+      # Only the history epoch is recorded: its groups split in halves stand in for two
+      # epochs (same weights, independent draws), G/2 responses each.
+      history[0], target = split_groups(history[0])
+      name = f"{name} (e{hist[0][1]} split G/2)"
+      notes.append(f"{name}: epoch {te} not recorded in time; each group of epoch {hist[0][1]} "
+                   "split in two halves (history / target, same weights, independent draws)")
+    if target is None or any(h is None for h in history):
+      print(f"[replay] {name}: recordings missing under {args.dir}, skipped", flush=True)
+      continue
+    size = (f"{len(target.prompts)} prompts x G={target.meta.get('group_size')}, "
+            f"{target.num_tokens} tokens")
+    for mode in args.modes + (["both (Python reference)"] if args.reference else []):
+      make = lambda: HistoryDrafter(
+          HistoryStore(), use_history=mode != "siblings", use_siblings=mode != "history",
+          max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match,
+          compiled="reference" not in mode)
+      if "reference" not in mode:  # compile / warm up first
+        replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
+      t0 = time.perf_counter()
+      st = replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
+      r = st.row()
+      rows.append([name, size, mode, f"{r['accepted_length']:.2f}",
+                   f"{r['drafted_per_step']:.1f}", f"{r['hit_rate']:.2f}",
+                   f"{r['no_draft_frac']:.2f}", f"{r['us_per_query']:.1f}",
+                   f"{r['cpu_us_per_query']:.1f}",
+                   f"{r['observe_us']:.1f}", r["steps"]])
+      print(f"[replay] {name} {mode}: accepted length {r['accepted_length']:.2f}, drafted/step "
+            f"{r['drafted_per_step']:.1f}, hit {r['hit_rate']:.2f}, no draft "
+            f"{r['no_draft_frac']:.2f}, {r['us_per_query']:.1f} us/query propose "
+            f"({r['cpu_us_per_query']:.1f} CPU), "
+            f"{r['observe_us']:.1f} us observe ({time.perf_counter() - t0:.1f}s)", flush=True)
+  if not rows:
+    raise SystemExit(f"[replay] no complete setting under {args.dir}")
+  headers = ["setting", "target", "drafts", "accepted len/verify", "drafted/step", "hit rate",
+             "no-draft steps", "propose us/query (wall)", "propose us/query (CPU)",
+             "observe us/query", "verify steps"]
+  table = common.markdown_table(headers, rows)
+  print(table)
+  if not args.no_append:
+    common.append_results(
+        f"Drafter replay on recorded SmolLM2 GSM8K rollouts (budget {args.budget}, "
+        f"{args.live_rows} live rows)", table,
+        [f"HistoryDrafter (compiled: numba={fast_draft.HAVE_NUMBA}), min_prob {args.min_prob}, "
+         f"max_match {args.max_match}; history = previous epoch (fresh seed, same weights)",
+         "us/query = host time of propose per request per step, all live rows in one call "
+         "(second run, compiled); CPU 2-core shared with other jobs: times are indicative"]
+        + notes + args.note)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,121 @@
+"""The compiled drafting rule (`fast_draft`) builds exactly the reference's trees
+(`match_tree.draft_reference`) on random histories and queries, and its trees are valid,
+best-first and within budget; the arena keeps segments intact through growth and compaction."""
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from rhyme_jax.history import fast_draft
+from rhyme_jax.history.match_tree import START, draft_reference
+
+
+def draft(arena, own, segs, budget, *, max_match, min_prob, decay, max_levels, kind_weights,
+          static=0, postings=None):
+  """One query through draft_batch: its first `static` segments through postings, the rest
+  scanned (the reference sees them all, in this order)."""
+  out = [np.zeros((1, max(budget, 1)), t) for t in (np.int32, np.int32, np.float32)]
+  n = np.zeros(1, np.int64)
+  postings = postings or fast_draft.Postings()
+  lo, hi = postings.range(postings.add(arena, np.array(segs[:static], np.int64)))
+  scanned = segs[static:]
+  fast_draft.draft_batch(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight,
+                         arena.seg_kind, np.array([own], np.int64),
+                         np.array([0, len(scanned)], np.int64), np.array(scanned, np.int64),
+                         np.array([budget], np.int64), max_match, min_prob, decay, max_levels,
+                         kind_weights[0], kind_weights[1], *out, n, postings.tok, postings.seg,
+                         postings.pos, np.array([lo]), np.array([hi]))
+  return tuple(o[0, :n[0]] for o in out)
+
+
+segment = st.tuples(st.lists(st.integers(0, 4), max_size=40), st.integers(0, 1),
+                    st.sampled_from([1.0, 0.5, 0.25]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(segment, min_size=1, max_size=6), st.lists(st.integers(0, 4), max_size=15),
+       st.booleans(), st.integers(0, 20), st.integers(1, 8), st.sampled_from([0.001, 0.05, 0.3]),
+       st.sampled_from([0.5, 1.0]), st.integers(1, 4), st.sampled_from([(1.0, 1.0), (1.0, 0.3)]),
+       st.integers(0, 6), st.integers(0, 3))
+def test_compiled_equals_reference(segs, own_tokens, own_searched, budget, max_match, min_prob,
+                                   decay, max_levels, kind_weights, static, other_postings):
+  arena = fast_draft.Arena(capacity=8)  # tiny: exercises growth
+  ids = [arena.add(np.array(t, np.int32), k, w, capacity=len(t) + 3) for t, k, w in segs]
+  own = arena.add(np.array(own_tokens, np.int32), 1, 1.0)
+  if own_searched:
+    ids.append(own)
+  kw = dict(max_match=max_match, min_prob=min_prob, decay=decay, max_levels=max_levels,
+            kind_weights=kind_weights)
+  postings = fast_draft.Postings()
+  for _ in range(other_postings):  # entries of other prompts around this query's range
+    postings.add(arena, np.array(ids[:1], np.int64))
+  got = draft(arena, own, ids, budget, static=min(static, len(segs)), postings=postings, **kw)
+  ctx = arena.segment(own)[-max_match:]
+  ref = draft_reference([(arena.segment(s), int(arena.seg_kind[s]), float(arena.seg_weight[s]))
+                         for s in ids], ctx, budget, **{k: v for k, v in kw.items()
+                                                        if k != "max_match"})
+  for g, r, name in zip(got, ref, ("tokens", "parents", "probs")):
+    np.testing.assert_array_equal(g, r, err_msg=name)
+  tokens, parents, probs = got
+  assert len(tokens) <= budget
+  assert np.all(parents < np.arange(len(parents))) and np.all(parents >= -1)
+  assert np.all(np.diff(probs) <= 0) and np.all(probs >= min_prob) and np.all(probs <= 1)
+  assert not np.any(tokens == START)
+
+
+def test_exact_repeat_drafts_the_continuation_with_probability_one():
+  arena = fast_draft.Arena()
+  past = np.arange(100, 160, dtype=np.int32)
+  h = arena.add(past, 0, 1.0)
+  own = arena.add(past[:20], 1, 1.0)
+  tokens, parents, probs = draft(arena, own, [h, own], 16, max_match=8, min_prob=0.02,
+                                 decay=0.5, max_levels=4, kind_weights=(1.0, 1.0))
+  np.testing.assert_array_equal(tokens, past[20:36])
+  np.testing.assert_array_equal(parents, np.arange(16) - 1)
+  np.testing.assert_array_equal(probs, np.ones(16, np.float32))
+
+
+def test_arena_segments_survive_growth_free_and_compaction():
+  rng = np.random.default_rng(0)
+  arena = fast_draft.Arena(capacity=16)
+  want = {}
+  for step in range(300):
+    r = rng.random()
+    if r < 0.3 or not want:
+      toks = rng.integers(0, 50, int(rng.integers(0, 10))).astype(np.int32)
+      seg = arena.add(toks, 1, 1.0, capacity=int(rng.integers(0, 12)))
+      want[seg] = [START] + toks.tolist()
+    elif r < 0.8:
+      seg = int(rng.choice(list(want)))
+      toks = rng.integers(0, 50, int(rng.integers(1, 7))).astype(np.int32)
+      arena.extend(seg, toks)
+      want[seg] += toks.tolist()
+    else:
+      seg = int(rng.choice(list(want)))
+      arena.free(seg)
+      del want[seg]
+    for seg, toks in want.items():
+      assert arena.segment(seg).tolist() == toks
+  assert arena.live_tokens == sum(int(arena.seg_cap[s]) for s in want)
+
+
+def test_postings_survive_frees_and_compaction():
+  rng = np.random.default_rng(1)
+  arena, postings = fast_draft.Arena(), fast_draft.Postings()
+  kept = {}
+  for step in range(200):
+    segs = np.array([arena.add(rng.integers(0, 9, 30).astype(np.int32), 0, 1.0)
+                     for _ in range(4)], np.int64)
+    kept[postings.add(arena, segs)] = segs
+    if len(kept) > 3:
+      pid = next(iter(kept))
+      postings.free(pid)
+      del kept[pid]
+  assert len(postings.tok) < 200 * 4 * 30  # freed entries were dropped
+  for pid, segs in kept.items():
+    lo, hi = postings.range(pid)
+    got = sorted(zip(postings.tok[lo:hi].tolist(), postings.seg[lo:hi].tolist(),
+                     postings.pos[lo:hi].tolist()))
+    want = sorted((int(t), int(s), p) for s in segs.tolist()
+                  for p, t in enumerate(arena.segment(s)[:-1]))
+    assert got == want
+    assert np.all(np.diff(postings.tok[lo:hi]) >= 0)
