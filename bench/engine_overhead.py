@@ -35,7 +35,7 @@ from bench import common  # noqa: E402
 from bench.forward import SMOLLM2_135M  # noqa: E402
 from rhyme_jax.models.transformer import init_model  # noqa: E402
 from rhyme_jax.rollout import accept  # noqa: E402
-from rhyme_jax.rollout.drafts import DraftTree, NoDrafts  # noqa: E402
+from rhyme_jax.rollout.drafts import NoDrafts  # noqa: E402
 from rhyme_jax.rollout.engine import (  # noqa: E402
     EngineConfig, Request, RolloutEngine)
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
@@ -64,8 +64,9 @@ def bare_times(engine, bucket, budget, reps):
   state = engine._admit(engine._new_state(bucket),
                         [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
                          for i in range(bucket)])
-  trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
-  step = lambda s: engine.verify(s, trees)
+  p, t = engine.shapes(bucket)[-1]
+  trees = accept.pack([None] * bucket, [True] * bucket, p)
+  step = lambda s: engine.verify(s, trees, False, engine.config.cache_len, t)
   for _ in range(3):
     state, out = step(state)
   jax.block_until_ready(out)
@@ -92,7 +93,8 @@ def main(argv=None):
   rows, profile_text = [], ""
   for budget in args.budgets:
     ecfg = EngineConfig(max_len=args.prompt_len + args.new_tokens, buckets=args.buckets,
-                        budgets=(budget,), budget_by_batch=((1 << 30, budget),), eos_ids=())
+                        max_draft=budget, speculate="always" if budget else "never",
+                        pack_factors=(budget + 1,) if budget else (2,), eos_ids=())
     engine = RolloutEngine(model, ecfg, NoDrafts())
     t0 = time.perf_counter()
     engine.warmup()

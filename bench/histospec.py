@@ -241,8 +241,8 @@ def main(argv=None):
   tok = load_tokenizer(args.model)
   examples, prompt_ids = gsm8k_prompts(tok, args.num_prompts, args.prompt_offset)
   max_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
-  cfg = EngineConfig(max_len=max_len, buckets=args.buckets, budgets=(0, args.budget),
-                     budget_by_batch=((1 << 30, args.budget),), prefill_chunk=args.prefill_chunk,
+  cfg = EngineConfig(max_len=max_len, buckets=args.buckets, max_draft=args.budget,
+                     prefill_chunk=args.prefill_chunk,
                      eos_ids=tuple(tok.stop_ids), seed=args.seed)
   print(f"[histospec] {len(prompt_ids)} prompts x G={args.group_size} (prompt lengths "
         f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))}), max_new_tokens="

@@ -73,7 +73,7 @@ def main(argv=None):
     reqs = make_requests(tok, b, args.max_new_tokens)
     max_len = max(len(r.prompt) for r in reqs) + args.max_new_tokens + 1
     base = dict(max_len=max_len, buckets=(b,), eos_ids=tuple(tok.stop_ids))
-    plain_engine = RolloutEngine(model, EngineConfig(budgets=(0,), **base), NoDrafts())
+    plain_engine = RolloutEngine(model, EngineConfig(max_draft=0, **base), NoDrafts())
     plain, t_plain = timed(plain_engine, reqs)
     s = plain_engine.stats
     rows.append([b, "none", 0, f"{s.tokens / t_plain:.1f}", f"{s.forwards_per_token:.3f}",
@@ -82,7 +82,8 @@ def main(argv=None):
     targets = {r.request_id: r.tokens for r in plain}
     for budget in budgets:
       for acc in accs:
-        cfg = EngineConfig(budgets=(budget,), budget_by_batch=((1 << 30, budget),), **base)
+        cfg = EngineConfig(max_draft=budget, speculate="always", pack_factors=(budget + 1,),
+                           **base)
         eng = RolloutEngine(model, cfg, OracleDrafter(targets, model.cfg.vocab_size, acc))
         res, t = timed(eng, reqs)
         same = sum(np.array_equal(a.tokens, c.tokens) for a, c in zip(plain, res))

@@ -56,8 +56,7 @@ class RolloutOptions:
   max_prompt_len: int
   max_new_tokens: int
   spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
-  draft_budget: int  # largest draft tree verified per step (tokens)
-  spec_max_live: int  # speculate only while at most this many requests are live
+  draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
 
@@ -149,10 +148,9 @@ _FLAGS = {
         ("max_prompt_len", 256, "Longest prompt in tokens; longer prompts are an error."),
         ("max_new_tokens", 96, "Response length cap in tokens."),
         ("spec", "histospec", f"Speculative rollout: {', '.join(SPECS)}."),
-        ("draft_budget", 16, "Largest draft tree verified per decoding step (tokens)."),
-        ("spec_max_live", 32, "Speculate only while at most this many requests are live "
-         "(verifying trees costs compute; large batches are compute bound, so speculation pays "
-         "in the tail of a rollout, and on CPUs only at small batch)."),
+        ("draft_budget", 16, "Most draft nodes verified per request per decoding step (< 32); "
+         "the engine's cost model decides each step how many, and whether to speculate at "
+         "all."),
         ("draft_mode", "sync", "Where host drafting runs: 'sync' (before each step, the "
          "device waits), 'ahead' (in a background thread while the device verifies the previous "
          "step; synchronously only where the emitted tokens left that tree) or 'ahead_only' "
@@ -292,7 +290,8 @@ def validate(c: Config) -> None:
   _at_least("max_new_tokens", r.max_new_tokens, 1)
   _one_of("spec", r.spec, SPECS)
   _at_least("draft_budget", r.draft_budget, 1)
-  _at_least("spec_max_live", r.spec_max_live, 1)
+  if not 1 <= r.draft_budget < 32:
+    raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
 

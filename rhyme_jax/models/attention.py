@@ -1,13 +1,14 @@
-"""Attention pieces shared by prefill, one-token decode and tree verification.
+"""Attention pieces: the packed tree attention of decoding, and the dense path of prefill.
 
-A single masked-attention function serves all three: the caller writes the T new tokens' K/V
-into the cache at `[cache_len, cache_len + T)` and builds a B×T×S visibility mask in which
-each new token sees the committed prefix `[0, cache_len)` plus whichever new tokens its
-`mask_BxTxT` allows (causal for prefill, ancestors-only for a draft tree). The Pallas kernel
-for tree verification plugs in behind `attend`.
+Decoding (plain and speculative) runs `tree_attention`: every row's new tokens (its root and
+its draft nodes) lie packed on one token axis P, each with its ancestor bits; the caller has
+written their K/V into the cache after the row's prefix. This is the ATTENTION CONTRACT the
+Pallas kernels implement too. Prefill and training keep the dense `attend` with a B×T×S mask.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -89,6 +90,102 @@ def attend(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH, preferred_element_type=jnp.float32)
   return out.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+class Packed(NamedTuple):
+  """Where packed tokens go (the tree_attention arguments besides q, k, v)."""
+
+  kv_len_B: jax.Array  # int32 committed prefix per row
+  q_start_B: jax.Array  # int32 first packed index of each row (non-decreasing)
+  q_len_B: jax.Array  # int32 new tokens per row (0 = the row has none)
+  mask_PxW: jax.Array  # uint32 ancestor bits (bit j: sees the row's new token j)
+  max_kv_len: int | None = None  # static cache-length bucket >= kv_len + q_len
+  max_q_len: int | None = None  # static bound of q_len
+
+
+def unpack_rows(x_PxX: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array, t: int
+                ) -> tuple[jax.Array, jax.Array]:
+  """Row-major view of packed tokens: (x_BxTxX, valid_BxT), row b's i-th token at [b, i]."""
+  idx_BxT = q_start_B[:, None] + jnp.arange(t)[None, :]
+  valid_BxT = jnp.arange(t)[None, :] < q_len_B[:, None]
+  idx_BxT = jnp.where(valid_BxT, idx_BxT, 0)
+  return x_PxX[idx_BxT], valid_BxT
+
+
+def packed_rows(q_start_B: jax.Array, q_len_B: jax.Array, p: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """For each packed index: (row_P, index within the row_P, valid_P); padding is invalid."""
+  idx_P = jnp.arange(p, dtype=jnp.int32)
+  row_P = (jnp.searchsorted(q_start_B, idx_P, side="right") - 1).astype(jnp.int32)
+  row_P = jnp.clip(row_P, 0, q_start_B.shape[0] - 1)
+  i_P = idx_P - q_start_B[row_P]
+  return row_P, i_P, (i_P >= 0) & (i_P < q_len_B[row_P])
+
+
+def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                   kv_len_B: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array,
+                   mask_PxW: jax.Array, *, max_kv_len: int | None = None,
+                   max_q_len: int | None = None, sm_scale: float | None = None) -> jax.Array:
+  """Attention of packed tree tokens over their rows' caches (the ATTENTION CONTRACT).
+
+  Row b's tokens sit at packed indices [q_start_B[b], q_start_B[b] + q_len_B[b]); its i-th
+  token's K/V are already in the cache at kv_len_B[b] + i. A token sees its row's prefix
+  [0, kv_len_B[b]) and new token j iff bit j of its mask words is set.
+
+  XLA path: the row's tokens are gathered into a B×T block (T = `max_q_len`, a static bound of
+  q_len_B; 32·W without it) so each row's K/V slice is read once for all of its tokens; the
+  cache is sliced to the static `max_kv_len` bucket. The visibility test is a bit test computed
+  inside the fused score select, never a stored B×T×S mask. Scores are float32; positions past
+  a row's kv_len + q_len are excluded, and V there is zeroed so garbage (even NaN) cannot leak.
+  """
+  p, n, h = q_PxNxH.shape
+  b, s_full, k = k_BxSxKxH.shape[:3]
+  w = mask_PxW.shape[1]
+  t = min(max_q_len or 32 * w, 32 * w)
+  s = min(max_kv_len or s_full, s_full)
+  g = n // k
+  scale = h ** -0.5 if sm_scale is None else sm_scale
+  k_BxSxKxH, v_BxSxKxH = k_BxSxKxH[:, :s], v_BxSxKxH[:, :s]
+  q_BxTxNxH, valid_BxT = unpack_rows(q_PxNxH, q_start_B, q_len_B, t)
+  mask_BxTxW, _ = unpack_rows(mask_PxW, q_start_B, q_len_B, t)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(b, t, k, g, h), k_BxSxKxH,
+                      preferred_element_type=jnp.float32) * scale
+  rel_BxS = jnp.arange(s, dtype=jnp.int32)[None, :] - kv_len_B[:, None]
+  new_BxTxS = jnp.zeros((b, t, s), bool)
+  for word in range(w):  # bit test of the draft positions (W static and small)
+    shift_BxS = rel_BxS - 32 * word
+    in_word_BxS = (shift_BxS >= 0) & (shift_BxS < 32)
+    bits_BxTxS = (mask_BxTxW[:, :, word, None]
+                  >> jnp.clip(shift_BxS, 0, 31).astype(jnp.uint32)[:, None, :]) & 1
+    new_BxTxS = new_BxTxS | (in_word_BxS[:, None, :] & (bits_BxTxS == 1))
+  in_new_BxS = (rel_BxS >= 0) & (rel_BxS < q_len_B[:, None])
+  seen_BxTxS = (rel_BxS < 0)[:, None, :] | (new_BxTxS & in_new_BxS[:, None, :])
+  seen_BxTxS = seen_BxTxS & valid_BxT[:, :, None]
+  scores = jnp.where(seen_BxTxS[:, None, None], scores, -jnp.inf)
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  probs = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+  probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+  live_BxS = rel_BxS < q_len_B[:, None]
+  v_BxSxKxH = jnp.where(live_BxS[:, :, None, None], v_BxSxKxH, 0)
+  out_BxKxGxTxH = jnp.einsum("bkgts,bskh->bkgth", probs.astype(v_BxSxKxH.dtype), v_BxSxKxH,
+                             preferred_element_type=jnp.float32)
+  out_BxTxNxH = out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(b * t, n, h)
+  row_P, i_P, valid_P = packed_rows(q_start_B, q_len_B, p)
+  out_PxNxH = out_BxTxNxH[row_P * t + jnp.clip(i_P, 0, t - 1)]
+  return jnp.where(valid_P[:, None, None], out_PxNxH, 0).astype(q_PxNxH.dtype)
+
+
+def write_packed(cache: KVCache, layer: int, k_PxKxH: jax.Array, v_PxKxH: jax.Array,
+                 kv_len_B: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array) -> KVCache:
+  """Writes layer `layer`'s K/V of packed tokens at their rows' kv_len + index (padding
+  dropped): a P-entry scatter into the stacked cache, in place when the cache is donated."""
+  row_P, i_P, valid_P = packed_rows(q_start_B, q_len_B, k_PxKxH.shape[0])
+  col_P = jnp.where(valid_P, kv_len_B[row_P] + i_P, cache.max_len)
+  k = cache.k_LxBxSxKxH.at[layer, row_P, col_P].set(
+      k_PxKxH.astype(cache.k_LxBxSxKxH.dtype), mode="drop")
+  v = cache.v_LxBxSxKxH.at[layer, row_P, col_P].set(
+      v_PxKxH.astype(cache.v_LxBxSxKxH.dtype), mode="drop")
+  return KVCache(k, v)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

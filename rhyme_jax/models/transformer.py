@@ -67,6 +67,24 @@ class Attention(nnx.Module):
       out = attention.attend(q, cache.k_LxBxSxKxH[layer], cache.v_LxBxSxKxH[layer], mask_BxTxS)
     return self.o_proj(out.reshape(b, t, -1)), cache
 
+  def packed(self, x_PxD, positions_P, cache: KVCache, layer: int, pk: attention.Packed):
+    """Decoding over packed tokens: writes their K/V after each row's prefix, tree attention."""
+    cfg = self.cfg
+    p = x_PxD.shape[0]
+    q = self.q_proj(x_PxD).reshape(1, p, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x_PxD).reshape(1, p, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x_PxD).reshape(p, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = attention.rope_inv_freq(cfg)
+    q = attention.apply_rope(q, positions_P[None], inv_freq)[0]
+    k = attention.apply_rope(k, positions_P[None], inv_freq)[0]
+    cache = attention.write_packed(cache, layer, k, v, pk.kv_len_B, pk.q_start_B, pk.q_len_B)
+    out = attention.tree_attention(q, cache.k_LxBxSxKxH[layer], cache.v_LxBxSxKxH[layer],
+                                   pk.kv_len_B, pk.q_start_B, pk.q_len_B, pk.mask_PxW,
+                                   max_kv_len=pk.max_kv_len, max_q_len=pk.max_q_len)
+    return self.o_proj(out.reshape(p, -1)), cache
+
 
 class MLP(nnx.Module):
 
@@ -92,6 +110,11 @@ class Block(nnx.Module):
   def __call__(self, x, positions_BxT, mask_BxTxT, cache, layer, cache_len_B):
     h, cache = self.attn(self.input_norm(x), positions_BxT, mask_BxTxT, cache, layer, cache_len_B)
     x = x + h
+    return x + self.mlp(self.post_attn_norm(x)), cache
+
+  def packed(self, x_PxD, positions_P, cache, layer, pk):
+    h, cache = self.attn.packed(self.input_norm(x_PxD), positions_P, cache, layer, pk)
+    x = x_PxD + h
     return x + self.mlp(self.post_attn_norm(x)), cache
 
 
@@ -134,11 +157,21 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, positions_BxT, mask_BxTxT, cache, i, cache_len_B)
     hidden = self.final_norm(x)
+    return Output(self._logits(hidden), cache, hidden if return_hidden else None)
+
+  def _logits(self, hidden):
     if self.cfg.tie_word_embeddings:
-      logits = self.embed.attend(hidden)
-    else:
-      logits = self.lm_head(hidden)
-    return Output(logits.astype(jnp.float32), cache, hidden if return_hidden else None)
+      return self.embed.attend(hidden).astype(jnp.float32)
+    return self.lm_head(hidden).astype(jnp.float32)
+
+  def decode_packed(self, tokens_P: jax.Array, positions_P: jax.Array, cache: KVCache,
+                    pk: attention.Packed) -> tuple[jax.Array, KVCache]:
+    """Runs the packed new tokens of all rows (roots and draft nodes) against the cache:
+    (float32 logits_PxV, cache with their K/V written at each row's kv_len + index)."""
+    x = self.embed(tokens_P)
+    for i, layer in enumerate(self.layers):
+      x, cache = layer.packed(x, positions_P, cache, i, pk)
+    return self._logits(self.final_norm(x)), cache
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -307,8 +307,7 @@ class Trainer:
                             reverse=True)
     self.engine = RolloutEngine(model, EngineConfig(
         max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
-        buckets=tuple(engine_buckets), budgets=(0, c.rollout.draft_budget) if self.drafter
-        else (0,), budget_by_batch=((c.rollout.spec_max_live, c.rollout.draft_budget),),
+        buckets=tuple(engine_buckets), max_draft=c.rollout.draft_budget if self.drafter else 0,
         prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
         eos_ids=tuple(self.tokenizer.stop_ids), seed=c.run.seed), self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,

@@ -1,11 +1,16 @@
-"""Lossless acceptance of a verified draft tree, and the tree's attention layout.
+"""The packed verify layout (host) and the lossless accept rule over it (device).
 
-The verify step feeds the root (the last emitted token) plus T draft nodes: node 0 is the root,
-node j ≥ 1 is draft token j−1. At every node the target's distribution is sampled with the key
-of that position; walking from the root, a node's sample that equals one of its children's
-tokens descends into that child, anything else is emitted and ends the walk (at a leaf it is the
-bonus token). Every emitted token is therefore a sample of the target itself, whatever the
-draft: drafts decide only how many tokens one forward pass yields.
+Each step packs every live row's root (its last emitted token) followed by its draft nodes onto
+one token axis of static size P; a row without a draft costs one position. Per packed token:
+its draft token, the packed index of its parent, its depth below the root and its ancestor bits
+(bit j: the row's new token j is an ancestor or the token itself; bit 0 is the root).
+
+Accepting is closed form. At every node the target is sampled with the key of that position;
+a draft node "matches" when its token equals its parent's sample. A node lies on the accepted
+path iff every draft ancestor matches: (ancestor bits & ~matched bits of its row) == root bit.
+Siblings never repeat a token (the packer drops repeats), so the path is a single chain; the
+samples along it, by depth, are the emitted tokens, the deepest one being the bonus token.
+Every emitted token is a sample of the target itself, whatever the draft.
 """
 
 from __future__ import annotations
@@ -16,98 +21,91 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rhyme_jax.rollout.drafts import DraftTree
+from rhyme_jax.models.attention import packed_rows
+
+WORDS = 1  # uint32 words of ancestor bits per token
+MAX_ROW_TOKENS = 32 * WORDS  # root + draft nodes of one row
 
 
-class TreeBatch(NamedTuple):
-  """Device inputs describing B padded draft trees of budget T (host-built, numpy)."""
+class PackedTrees(NamedTuple):
+  """Host-built (numpy) inputs of one verify step: B rows' tokens on a P-token axis."""
 
-  tokens_BxT: np.ndarray  # int32 draft tokens
-  parents_BxT: np.ndarray  # int32 parent node (0 = root, j ≥ 1 = draft j−1), node numbering
-  valid_BxT: np.ndarray  # bool
-  depth_BxT: np.ndarray  # int32 depth below the root (≥ 1)
-  mask_BxNxN: np.ndarray  # bool, N = T+1: node i sees node j iff j is i's ancestor or itself
+  tokens_P: np.ndarray  # int32 draft token (a root's entry is unused: roots live on device)
+  parent_P: np.ndarray  # int32 packed index of the parent (a root points at itself)
+  depth_P: np.ndarray  # int32 depth below the root (0 = root)
+  mask_PxW: np.ndarray  # uint32 ancestor bits over the row's new tokens, itself included
+  q_start_B: np.ndarray  # int32 first packed index of each row
+  q_len_B: np.ndarray  # int32 1 + draft nodes for a live row, 0 for an empty slot
+
+  @property
+  def drafted_B(self) -> np.ndarray:
+    return np.maximum(self.q_len_B - 1, 0)
 
 
-def pack_trees(trees: Sequence[DraftTree], budget: int) -> TreeBatch:
-  """Pads trees to `budget` and builds parents in node numbering, depths and ancestor masks.
-
-  A node below an invalid node is dropped (invalid). Vectorised over the batch, one pass over
-  node positions: it runs before every step, on the critical path.
-  """
-  b, n = len(trees), budget + 1
-  mask = np.zeros((b, n, n), bool)
-  mask[:, :, 0] = True
-  idx = np.arange(n)
-  mask[:, idx, idx] = True
-  parents = np.zeros((b, budget), np.int32)
-  depth = np.ones((b, budget), np.int32)
-  if budget == 0 or b == 0:
-    return TreeBatch(np.zeros((b, budget), np.int32), parents, np.zeros((b, budget), bool),
-                     depth, mask)
-  padded = [t if len(t.tokens) == budget else t.padded(budget) for t in trees]
-  tokens = np.stack([t.tokens for t in padded]).astype(np.int32)
-  valid = np.stack([t.valid for t in padded]).astype(bool)
-  draft_parents = np.stack([t.parents for t in padded]).astype(np.int32)
-  rows = np.arange(b)
-  for j in range(budget):
-    p = draft_parents[:, j]
-    has_parent = p >= 0
-    at = np.maximum(p, 0)
-    valid[:, j] &= ~has_parent | valid[rows, at]  # orphans of invalid nodes are dropped
-    v = valid[:, j]
-    parents[:, j] = np.where(v, p + 1, 0)
-    depth[:, j] = np.where(v & has_parent, depth[rows, at] + 1, 1)
-    mask[v, j + 1] |= mask[rows[v], p[v] + 1]
-  return TreeBatch(tokens, parents, valid, depth, mask)
+def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence[bool],
+         p: int) -> PackedTrees:
+  """Packs per-row (tokens, parents) drafts (cleaned: see DraftTree.cleaned; None = no draft)
+  for the live rows into P positions. Raises if they do not fit."""
+  b = len(live_B)
+  q_len = np.asarray([(1 + (0 if t is None else len(t[0]))) if live else 0
+                      for t, live in zip(trees, live_B)], np.int32)
+  if q_len.max(initial=0) > MAX_ROW_TOKENS:
+    raise ValueError(f"pack: a row has {q_len.max()} tokens, more than {MAX_ROW_TOKENS}")
+  q_start = np.zeros(b, np.int32)
+  np.cumsum(q_len[:-1], out=q_start[1:])
+  total = int(q_len.sum())
+  if total > p:
+    raise ValueError(f"pack: {total} tokens do not fit the packed size P={p}")
+  tokens = np.zeros(p, np.int32)
+  parent = np.arange(p, dtype=np.int32)
+  depth = np.zeros(p, np.int32)
+  mask = np.zeros((p, WORDS), np.uint32)
+  for r in range(b):
+    if not q_len[r]:
+      continue
+    s = int(q_start[r])
+    mask[s, 0] = 1
+    if trees[r] is None or not len(trees[r][0]):
+      continue
+    toks, pars = trees[r]
+    n = len(toks)
+    tokens[s + 1:s + 1 + n] = toks
+    bits = [1]
+    dep = [0]
+    for j in range(n):
+      par = int(pars[j]) + 1  # row-local index of the parent (0 = root)
+      bits.append(bits[par] | (1 << (j + 1)))
+      dep.append(dep[par] + 1)
+      parent[s + 1 + j] = s + par
+    mask[s:s + n + 1, 0] = np.asarray(bits, np.uint32)
+    depth[s:s + n + 1] = dep
+  return PackedTrees(tokens, parent, depth, mask, q_start, q_len)
 
 
 class Accepted(NamedTuple):
-  """Result of the accept walk for B rows of N = T+1 nodes."""
+  """Result of the accept rule for B rows (T = static bound of tokens per row)."""
 
-  num_accepted_B: jax.Array  # int32 draft tokens accepted (the emitted count is this + 1)
-  path_BxT: jax.Array  # int32 node ids (1..T) of accepted draft nodes in depth order; 0-padded
-  last_node_B: jax.Array  # int32 node whose sample is the final (bonus) token
-
-
-def accept_walk(sampled_BxN: jax.Array, tokens_BxT: jax.Array, parents_BxT: jax.Array,
-                valid_BxT: jax.Array) -> Accepted:
-  """Descends from the root while a node's sample equals one of its children's tokens.
-
-  Where siblings repeat a token only the first is followed. Nodes are topologically ordered
-  (parent id < node id), so a single pass in node order decides every node.
-  """
-  tokens_BxT, parents_BxT, valid_BxT = map(jnp.asarray, (tokens_BxT, parents_BxT, valid_BxT))
-  b, t = tokens_BxT.shape
-  n = t + 1
-
-  def body(j, carry):
-    on_path_BxN, taken_BxN = carry
-    parent_B = parents_BxT[:, j]
-    parent_sample_B = jnp.take_along_axis(sampled_BxN, parent_B[:, None], axis=1)[:, 0]
-    parent_on_B = jnp.take_along_axis(on_path_BxN, parent_B[:, None], axis=1)[:, 0]
-    parent_taken_B = jnp.take_along_axis(taken_BxN, parent_B[:, None], axis=1)[:, 0]
-    ok_B = (valid_BxT[:, j] & parent_on_B & ~parent_taken_B
-            & (tokens_BxT[:, j] == parent_sample_B))
-    on_path_BxN = on_path_BxN.at[:, j + 1].set(ok_B)
-    taken_BxN = taken_BxN.at[jnp.arange(b), parent_B].set(parent_taken_B | ok_B)
-    return on_path_BxN, taken_BxN
-
-  on_path = jnp.zeros((b, n), bool).at[:, 0].set(True)
-  on_path, _ = jax.lax.fori_loop(0, t, body, (on_path, jnp.zeros((b, n), bool)))
-  drafted_on_BxT = on_path[:, 1:]
-  num_B = jnp.sum(drafted_on_BxT, axis=1).astype(jnp.int32)
-  # Accepted nodes in increasing id = increasing depth along the single accepted path.
-  order_BxT = jnp.argsort(~drafted_on_BxT, axis=1, stable=True).astype(jnp.int32)
-  path_BxT = jnp.where(jnp.arange(t)[None, :] < num_B[:, None], order_BxT + 1, 0)
-  last_B = jnp.where(num_B > 0,
-                     jnp.take_along_axis(path_BxT, jnp.maximum(num_B - 1, 0)[:, None], 1)[:, 0],
-                     0)
-  return Accepted(num_B, path_BxT, last_B)
+  emitted_BxT: jax.Array  # int32 samples along the accepted path by depth (first num+1 valid)
+  logprobs_BxT: jax.Array  # float32 their log-probabilities
+  num_accepted_B: jax.Array  # int32 draft nodes accepted (emitted = this + 1 for a live row)
+  on_path_P: jax.Array  # bool packed tokens on the accepted path (roots of live rows included)
 
 
-def emitted_nodes(acc: Accepted) -> jax.Array:
-  """B×N node ids whose samples are emitted in order: root, then each accepted node; the
-  k-th emitted token is sampled at node k (k ≤ num_accepted); entries past it are 0."""
-  b, t = acc.path_BxT.shape
-  return jnp.concatenate([jnp.zeros((b, 1), jnp.int32), acc.path_BxT], axis=1)
+def accept_packed(sampled_P: jax.Array, logp_P: jax.Array, trees: PackedTrees, b: int, t: int
+                  ) -> Accepted:
+  """The accept rule in closed form from ancestor bits (no loop over nodes)."""
+  p = sampled_P.shape[0]
+  row_P, i_P, valid_P = packed_rows(trees.q_start_B, trees.q_len_B, p)
+  is_root_P = i_P == 0
+  matched_P = valid_P & ~is_root_P & (trees.tokens_P == sampled_P[trees.parent_P])
+  bit_P = jnp.left_shift(jnp.uint32(1), jnp.clip(i_P, 0, 31).astype(jnp.uint32))
+  matched_B = jax.ops.segment_sum(jnp.where(matched_P, bit_P, jnp.uint32(0)), row_P,
+                                  num_segments=b) | jnp.uint32(1)  # distinct bits: sum = OR
+  mask_P = trees.mask_PxW[:, 0]
+  on_path_P = valid_P & ((mask_P & ~matched_B[row_P]) == 0)
+  num_B = jax.ops.segment_sum(on_path_P.astype(jnp.int32), row_P, num_segments=b)
+  num_accepted_B = jnp.maximum(num_B - 1, 0)
+  col_P = jnp.where(on_path_P, trees.depth_P, t)  # off-path entries are dropped
+  emitted = jnp.zeros((b, t), jnp.int32).at[row_P, col_P].set(sampled_P, mode="drop")
+  logprobs = jnp.zeros((b, t), jnp.float32).at[row_P, col_P].set(logp_P, mode="drop")
+  return Accepted(emitted, logprobs, num_accepted_B.astype(jnp.int32), on_path_P)

@@ -1,9 +1,11 @@
 """Draft trees and the `DraftSource` interface that every drafter (history, group, learned) meets.
 
-A draft is a small token tree continuing a request's last emitted token (the root). It is padded
-to the engine's static budget T: `tokens[T]`, `parents[T]` (−1 = the root, otherwise an index
-< i), `valid[T]`. Drafts only ever cost speed: the engine samples from the target at every node,
-so a drafter that emits garbage changes nothing that is sampled.
+A draft is a small token tree continuing a request's last emitted token (the root):
+`tokens[T]`, `parents[T]` (−1 = the root, otherwise an index < i), `valid[T]`, and optionally
+`probs[T]`, the drafter's estimate that each node's path is accepted. Drafters return trees
+UNPADDED and best-first (any prefix of the nodes is a valid tree); the engine alone decides how
+many nodes it verifies (`DraftQuery.budget` is the most it may take). Drafts only ever cost
+speed: the engine samples from the target at every node, so garbage drafts change nothing.
 """
 
 from __future__ import annotations
@@ -16,14 +18,45 @@ import numpy as np
 
 @dataclasses.dataclass
 class DraftTree:
-  """A host-side padded draft tree. Nodes are in topological order (parents[i] < i)."""
+  """A host-side draft tree. Nodes are in topological order (parents[i] < i)."""
 
   tokens: np.ndarray  # int32[T]
   parents: np.ndarray  # int32[T], -1 = child of the root
-  valid: np.ndarray  # bool[T]
-  # The drafter's estimate that each node's path is accepted (float32[T], non-increasing in
-  # best-first order where it can be); optional, for the engine's cost model.
-  probs: np.ndarray | None = None
+  valid: np.ndarray  # bool[T] (all True in an unpadded tree)
+  probs: np.ndarray | None = None  # float32[T] P(node's path accepted), best-first
+
+  @classmethod
+  def of(cls, tokens: Sequence[int], parents: Sequence[int],
+         probs: Sequence[float] | None = None) -> "DraftTree":
+    """An unpadded tree (every node valid)."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    return cls(tokens, np.asarray(parents, np.int32).reshape(-1), np.ones(len(tokens), bool),
+               None if probs is None else np.asarray(probs, np.float32).reshape(-1))
+
+  def cleaned(self, max_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(tokens, parents, probs) of the first valid nodes, at most `max_nodes`, renumbered:
+    invalid nodes, their subtrees and siblings repeating an earlier sibling's token (which the
+    accept rule would never follow) are dropped. What the engine packs."""
+    keep = {-1: -1}
+    seen = set()
+    out_t, out_p, out_q = [], [], []
+    for i in range(len(self.tokens)):
+      if len(out_t) >= max_nodes:
+        break
+      par = int(self.parents[i])
+      if not self.valid[i] or par not in keep:
+        continue
+      key = (keep[par], int(self.tokens[i]))
+      if key in seen:
+        continue
+      seen.add(key)
+      keep[i] = len(out_t)
+      out_t.append(int(self.tokens[i]))
+      out_p.append(keep[par])
+      if self.probs is not None:
+        out_q.append(float(self.probs[i]))
+    probs = np.asarray(out_q, np.float32) if self.probs is not None else None
+    return np.asarray(out_t, np.int32), np.asarray(out_p, np.int32), probs
 
   @classmethod
   def empty(cls, budget: int) -> "DraftTree":
@@ -40,9 +73,11 @@ class DraftTree:
     return tree
 
   @classmethod
-  def from_nodes(cls, nodes: Sequence[tuple[int, int]], budget: int) -> "DraftTree":
-    """From (token, parent) pairs in topological order; extra nodes past the budget are dropped."""
-    tree = cls.empty(budget)
+  def from_nodes(cls, nodes: Sequence[tuple[int, int]], budget: int | None = None
+                 ) -> "DraftTree":
+    """From (token, parent) pairs in topological order; extra nodes past the budget are dropped
+    (budget None: unpadded)."""
+    tree = cls.empty(len(nodes) if budget is None else budget)
     for i, (tok, parent) in enumerate(nodes[:budget]):
       if not -1 <= parent < i:
         raise ValueError(f"draft node {i}: parent {parent} must be in [-1, {i})")
@@ -87,14 +122,14 @@ class DraftTree:
 
   def padded(self, budget: int) -> "DraftTree":
     """The same tree in a budget of another size (nodes past it dropped, with their subtrees)."""
-    if budget >= len(self.tokens):
-      out = DraftTree.empty(budget)
-      n = len(self.tokens)
-      out.tokens[:n], out.parents[:n], out.valid[:n] = self.tokens, self.parents, self.valid
-      return out
-    out = DraftTree(self.tokens[:budget].copy(), self.parents[:budget].copy(),
-                    self.valid[:budget].copy())
-    for i, p in enumerate(out.parents):  # a kept node whose parent is invalid is invalid too
+    n = min(budget, len(self.tokens))
+    out = DraftTree.empty(budget)
+    out.tokens[:n], out.parents[:n], out.valid[:n] = (self.tokens[:n], self.parents[:n],
+                                                      self.valid[:n])
+    if self.probs is not None:
+      out.probs = np.zeros(budget, np.float32)
+      out.probs[:n] = self.probs[:n]
+    for i, p in enumerate(out.parents[:n]):  # a kept node whose parent is invalid is invalid too
       if p >= 0 and not out.valid[p]:
         out.valid[i] = False
     return out
@@ -109,7 +144,7 @@ class DraftQuery:
   prompt_key: Hashable  # stable key of the prompt (hash of its tokens or a dataset uid)
   prompt: np.ndarray  # int32 prompt tokens
   response: np.ndarray  # int32 response tokens so far; the last one is the tree's root
-  budget: int  # the most draft tokens the engine can verify for this request this step
+  budget: int  # the most draft nodes the engine may verify for this request this step
   # A draft prepared ahead, off the critical path: the part of the tree this request's drafter
   # returned from `lookahead` during the previous step that continues what that step emitted
   # (None when the emitted tokens left that tree). A drafter may use it instead of drafting.

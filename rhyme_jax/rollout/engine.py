@@ -3,8 +3,12 @@
 Requests wait in a queue; B slots (B from a fixed set of buckets) each hold one live request
 and its KV cache. A finished slot is refilled at once; when the queue is empty and the live
 requests fit a smaller bucket they are moved into it, so the tail of a rollout stops paying
-for empty slots. Each step verifies one draft tree per slot (budget T from a fixed set; T = 0
-is plain decoding). Step functions are jitted once per (bucket, budget) and reused.
+for empty slots. Each step packs the live rows' roots and draft nodes on one token axis of a
+compiled size (accept.pack; a plain step is the roots alone). The engine alone sizes drafts:
+the cost model (cost_model.CostModel) picks, per step, the shape and the nodes per row with the
+most expected tokens per second, and plain steps are dispatched before the previous step is
+read, so the host's bookkeeping overlaps the device. Step functions are jitted once per shape
+(bucket, packed size, tokens per row, cache bucket) at warm-up.
 
 The engine is the narrow interface the trainer sees: `generate(requests) -> results` and
 `update_params(model)`.
@@ -27,6 +31,7 @@ from flax import nnx
 from rhyme_jax.models.attention import KVCache
 from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, step
+from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
 
@@ -56,36 +61,52 @@ class RequestResult:
 
 
 DRAFT_MODES = ("sync", "ahead", "ahead_only")
+SPECULATE = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """Static shapes and policies. `max_len` bounds prompt + response tokens per request."""
+  """Static shapes and policies. `max_len` bounds prompt + response tokens per request.
+
+  The engine alone sizes drafts: each bucket B compiles a plain step (P = B packed tokens, one
+  per row) and one speculative step per `pack_factors` entry f (P = B + max((f-1)·B, 8·(f-1))
+  positions, at most `max_draft` draft nodes per row, fewer at large B so attention's row block
+  stays small), each for `kv_buckets` cache-length buckets.
+  """
 
   max_len: int = 512
   buckets: tuple[int, ...] = (32, 16, 8, 4, 2, 1)
-  budgets: tuple[int, ...] = (0, 8)  # draft budgets compiled (0 = plain decoding)
-  # (max live requests, budget) thresholds, first match wins; budgets are capped to `budgets`.
-  # The default follows TLT's observation: speculate more as the batch shrinks.
-  budget_by_batch: tuple[tuple[int, int], ...] = ((1, 48), (4, 32), (20, 16), (32, 8))
+  max_draft: int = 16  # most draft nodes verified per row per step (<= 31); 0 = never speculate
+  pack_factors: tuple[int, ...] = (2, 4)
+  kv_buckets: int = 2  # cache-length buckets compiled: S, S/2, ... (attention reads one)
+  # "auto": the cost model decides each step (plain where speculation cannot pay); "always":
+  # every step uses the largest speculative shape, drafts or not (tests, benches: one shape);
+  # "never": plain steps only.
+  speculate: str = "auto"
+  pipeline: bool = True  # dispatch a plain step before reading the previous one
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
   # Where host drafting runs (drafters without `lookahead` always draft synchronously):
   # - "sync": before each step, on the critical path (the device waits);
   # - "ahead": the drafter's `lookahead` runs in a background thread on this step's contexts
-  #   with a larger budget while the device verifies; next step each request gets the part of
-  #   that tree continuing what it emitted (`DraftQuery.ahead`), and drafts synchronously only
-  #   where the emitted tokens left the tree;
-  # - "ahead_only": as "ahead", but never on the critical path: a request whose tokens left
-  #   the tree gets no draft that step (its tree for the next step is drafted meanwhile).
+  #   (budget: `lookahead_budget`) while the device verifies; next step each request gets the
+  #   part of that tree continuing what it emitted (`DraftQuery.ahead`), and drafts
+  #   synchronously only where the emitted tokens left the tree;
+  # - "ahead_only": as "ahead", but never on the critical path.
   draft_mode: str = "sync"
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
       raise ValueError(f"buckets={self.buckets}: must be a non-empty list of positive sizes")
-    if not self.budgets or any(t < 0 for t in self.budgets):
-      raise ValueError(f"budgets={self.budgets}: must be a non-empty list of sizes >= 0")
+    if not 0 <= self.max_draft < accept.MAX_ROW_TOKENS:
+      raise ValueError(f"max_draft={self.max_draft}: must be in [0, {accept.MAX_ROW_TOKENS})")
+    if any(f < 2 for f in self.pack_factors):
+      raise ValueError(f"pack_factors={self.pack_factors}: each must be >= 2")
+    if self.kv_buckets < 1:
+      raise ValueError(f"kv_buckets={self.kv_buckets}: must be >= 1")
+    if self.speculate not in SPECULATE:
+      raise ValueError(f"speculate={self.speculate!r}: expected one of {SPECULATE}")
     if self.max_len < 2:
       raise ValueError(f"max_len={self.max_len}: must be >= 2")
     if self.prefill_chunk <= 0:
@@ -94,8 +115,34 @@ class EngineConfig:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
 
   @property
+  def row_tokens(self) -> int:
+    return 1 + self.max_draft
+
+  @property
   def cache_len(self) -> int:
-    return self.max_len + max(self.budgets) + 1
+    """Room for a request's tokens plus one step's tree and one pipelined step past its end."""
+    return self.max_len + 2 * self.row_tokens
+
+  @property
+  def lookahead_budget(self) -> int:
+    """Nodes drafted ahead: this step's draft, its bonus token and the next draft."""
+    return 2 * self.max_draft + 1
+
+  def kv_lengths(self) -> tuple[int, ...]:
+    s = self.cache_len
+    return tuple(sorted({min(s, -(-(s >> i) // 16) * 16) for i in range(self.kv_buckets)}))
+
+  def spec_shapes(self, bucket: int) -> tuple[tuple[int, int], ...]:
+    """(P, T) of the speculative steps of a bucket: packed size, tokens per row."""
+    if self.max_draft == 0 or self.speculate == "never":
+      return ()
+    out = []
+    for f in sorted(self.pack_factors):
+      p = bucket + max((f - 1) * bucket, 8 * (f - 1))
+      t = min(self.row_tokens, p - bucket + 1, max(4, 256 // bucket))
+      if (p, t) not in out:
+        out.append((p, t))
+    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -103,22 +150,27 @@ class EngineStats:
   """Counters of one `generate` call (peers' names: mean accepted length, slot utilisation)."""
 
   steps: int = 0  # verify steps (target forward passes of the decode phase)
+  spec_steps: int = 0  # of which speculative
   prefill_chunks: int = 0
   prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
   tokens: int = 0  # response tokens emitted
   useful_slot_steps: int = 0
   slot_steps: int = 0
-  drafted: int = 0
+  drafted: int = 0  # draft nodes verified
   accepted: int = 0
+  positions: int = 0  # packed positions computed (sum of P over steps)
+  live_positions: int = 0  # live rows + drafted nodes (sum over steps)
+  host_waits: int = 0  # reads of step outputs with no later step queued (the device idles)
   draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
-  device_time_s: float = 0.0  # dispatch to outputs on the host (background drafting overlaps it)
+  device_time_s: float = 0.0  # blocking waits for step outputs
   lookahead_time_s: float = 0.0  # background drafting, overlapped with device_time_s
   lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
   ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
-  ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead (or ended it)
+  ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead
   total_time_s: float = 0.0
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
-  trace: list = dataclasses.field(default_factory=list)  # per step: (bucket, budget, live, queued)
+  # per step: (bucket, packed P, live, queued)
+  trace: list = dataclasses.field(default_factory=list)
 
   @property
   def mean_accepted_length(self) -> float:
@@ -138,12 +190,14 @@ class EngineStats:
     return self.tokens / max(self.total_time_s, 1e-9)
 
   def summary(self) -> dict:
-    return dict(steps=self.steps, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
-                mean_accepted_length=self.mean_accepted_length,
+    return dict(steps=self.steps, spec_steps=self.spec_steps, tokens=self.tokens,
+                tokens_per_s=self.tokens_per_s, mean_accepted_length=self.mean_accepted_length,
                 forwards_per_token=self.forwards_per_token,
                 slot_utilisation=self.slot_utilisation, drafted=self.drafted,
-                accepted=self.accepted, draft_time_s=self.draft_time_s,
-                device_time_s=self.device_time_s, lookahead_time_s=self.lookahead_time_s,
+                accepted=self.accepted, positions=self.positions,
+                live_positions=self.live_positions, host_waits=self.host_waits,
+                draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
+                lookahead_time_s=self.lookahead_time_s,
                 lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
                 ahead_misses=self.ahead_misses, total_time_s=self.total_time_s)
 
@@ -156,8 +210,21 @@ class _Live:
   steps: int = 0
   drafted: int = 0
   accepted: int = 0
+  done: bool = False
   ahead: DraftTree | None = None  # drafted ahead from the context before the last step
   ahead_from: int = -1  # response length that tree continues
+
+
+@dataclasses.dataclass
+class _Step:
+  """A dispatched step whose outputs are not read yet."""
+
+  out: step.StepOutput
+  rows: list  # (slot, _Live, drafted nodes, tree depth)
+  shape: tuple
+  asked: bool = False  # drafts were asked for (even if the step ended up plain)
+  ahead: concurrent.futures.Future | None = None
+  ahead_rows: list | None = None
 
 
 def _timed(fn, *args):
@@ -188,15 +255,16 @@ def _model_fns(graphdef, treedef):
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
   Engines over the same structure share these functions and their compilations.
   """
-  def verify(leaves, state, trees, seed, *, filters):
+  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len):
     return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
-                            filters=filters)
+                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len)
 
   def prefill(leaves, cache, slot, chunk, start):
     return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
                               chunk, start)
 
-  return (jax.jit(_counted("step", verify), static_argnames=("filters",), donate_argnums=(1,)),
+  return (jax.jit(_counted("step", verify),
+                  static_argnames=("filters", "max_kv_len", "max_q_len"), donate_argnums=(1,)),
           jax.jit(_counted("prefill", prefill), donate_argnums=(1,)))
 
 
@@ -215,6 +283,7 @@ class RolloutEngine:
     self._verify_fn, self._prefill_fn = _model_fns(self.graphdef, treedef)
     self._seed = jnp.uint32(config.seed)
     self.drafter = drafter
+    self.costs = CostModel()
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
 
@@ -235,9 +304,13 @@ class RolloutEngine:
     smaller = max(b for b in self.config.buckets if b < bucket)
     return _regroup_jit(state, jnp.asarray(order[:smaller], jnp.int32)), smaller
 
+  def shapes(self, bucket: int) -> list[tuple[int, int]]:
+    """(P, T) of every compiled step of a bucket, plain first."""
+    return [(bucket, 1)] + list(self.config.spec_shapes(bucket))
+
   def warmup(self, filters: bool = False) -> None:
-    """Compiles every (bucket, budget) step, the prefill, slot loading and bucket moves up front,
-    so a rollout never compiles."""
+    """Compiles every step shape, the prefill, slot loading and bucket moves up front, so a
+    rollout never compiles; times each step shape to seed the cost model."""
     buckets = sorted(self.config.buckets, reverse=True)
     dummy = [(0, Request(-1, [0, 0], SamplingParams()))]
     for bucket in buckets:
@@ -245,9 +318,14 @@ class RolloutEngine:
       # (their placement may differ from a fresh one's on a multi-device mesh).
       state = self._admit(self._new_state(bucket), dummy)
       for _ in range(2):
-        for budget in self.config.budgets:
-          trees = accept.pack_trees([DraftTree.empty(budget)] * bucket, budget)
-          state, _ = self.verify(state, trees, filters)
+        for p, t in self.shapes(bucket):
+          for s in self.config.kv_lengths():
+            trees = accept.pack([None] * bucket, [True] * bucket, p)
+            state, out = self.verify(state, trees, filters, s, t)
+            t0 = time.perf_counter()
+            state, out = self.verify(state, trees, filters, s, t)
+            jax.block_until_ready(out)
+            self.costs.observe_time((bucket, p, t, s), time.perf_counter() - t0, warmup=True)
         state = self._admit(state, dummy)
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
@@ -260,38 +338,20 @@ class RolloutEngine:
       self.params = model_or_params
     self._leaves = jax.tree.leaves(self.params)
 
-  def verify(self, state: step.DecodeState, trees: accept.TreeBatch, filters: bool = False):
+  def verify(self, state: step.DecodeState, trees: accept.PackedTrees, filters: bool,
+             max_kv_len: int, max_q_len: int):
     """One jitted verify step (`step.verify_step`) with this engine's params."""
-    return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters)
-
-  # ---- policies --------------------------------------------------------------------------------
+    return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters,
+                           max_kv_len=max_kv_len, max_q_len=max_q_len)
 
   def bucket_for(self, n: int) -> int:
     """The smallest bucket holding n requests (the largest bucket if none does)."""
     fits = [b for b in self.config.buckets if b >= n]
     return min(fits) if fits else max(self.config.buckets)
 
-  def budget_for(self, live: int) -> int:
-    """Draft budget for a step with `live` requests: from the thresholds, capped to a compiled
-    budget; 0 without a drafter or above every threshold."""
-    if self.drafter is None:
-      return 0
-    want = 0
-    for max_live, budget in self.config.budget_by_batch:
-      if live <= max_live:
-        want = budget
-        break
-    fits = [t for t in self.config.budgets if t <= want]
-    return max(fits) if fits else min(self.config.budgets)
-
-  def _fit_budget(self, budget: int, trees: list[DraftTree]) -> tuple[int, list[DraftTree]]:
-    """The smallest compiled budget holding every proposed tree (0 when all are empty): a
-    step verifies only as many tree slots as its drafts use, so small drafts cost little."""
-    need = max(t.size for t in trees)
-    fit = min((t for t in self.config.budgets if t >= need), default=budget)
-    if fit >= budget:
-      return budget, trees
-    return fit, [t.padded(fit) for t in trees]
+  def _kv_len_for(self, need: int) -> int:
+    return min((s for s in self.config.kv_lengths() if s >= need),
+               default=self.config.cache_len)
 
   # ---- request handling ------------------------------------------------------------------------
 
@@ -375,6 +435,23 @@ class RolloutEngine:
 
   # ---- the loop --------------------------------------------------------------------------------
 
+  def _plan(self, bucket: int, slots: list, live_idx: list[int]) -> bool:
+    """Whether to draft this step: "always" does; "auto" asks the cost model whether any
+    speculative shape could beat a plain step with chains at each request's acceptance."""
+    mode = self.config.speculate if self.drafter is not None else "never"
+    shapes = self.config.spec_shapes(bucket)
+    if mode == "never" or not shapes:
+      return False
+    if mode == "always":
+      return True
+    s = self.config.kv_lengths()[-1]
+    cap = max(t for _, t in shapes) - 1
+    values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
+              for i in live_idx]
+    shape, _, _ = self.costs.choose((bucket, bucket, 1, s), [(bucket, p, t, s) for p, t in shapes],
+                                    values, len(live_idx))
+    return shape[1] != bucket
+
   def generate(self, requests: Sequence[Request]) -> list[RequestResult]:
     """Runs every request to completion; results in the order of `requests`.
 
@@ -383,6 +460,7 @@ class RolloutEngine:
     """
     t0 = time.perf_counter()
     self.stats = stats = EngineStats()
+    cfg = self.config
     results: dict[int, RequestResult] = {}
     queue: collections.deque[Request] = collections.deque()
     seen: set = set()
@@ -401,80 +479,59 @@ class RolloutEngine:
     bucket = self.bucket_for(len(queue))
     state = self._new_state(bucket)
     slots: list[_Live | None] = [None] * bucket
-    overlap = self.config.draft_mode != "sync" and hasattr(self.drafter, "lookahead")
-    ahead_only = overlap and self.config.draft_mode == "ahead_only"
+    overlap = cfg.draft_mode != "sync" and hasattr(self.drafter, "lookahead")
+    ahead_only = overlap and cfg.draft_mode == "ahead_only"
     if overlap and self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
-    pool = self._pool
+    pending: _Step | None = None
+    last = None  # (dispatch time, shape, draft seconds) of the previous dispatch
+    excluded = 0.0  # admission time since the previous dispatch (not a step's cost)
 
-    while queue or any(slots):
-      admits = []
-      for i in range(bucket):
-        if slots[i] is None and queue:
-          admits.append((i, queue.popleft()))
-          slots[i] = _Live(admits[-1][1], [], [])
-      state = self._admit(state, admits)
-      live_idx = [i for i in range(bucket) if slots[i] is not None]
-      while not queue and self.bucket_for(len(live_idx)) < bucket:
-        rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]
-        state, bucket = self._shrink(state, bucket, rows)
-        slots = [slots[i] for i in rows[:bucket]]
-        live_idx = list(range(len(live_idx)))
+    def finish(slot: int, lv: _Live, reason: str) -> None:
+      results[id(lv.req)] = RequestResult(
+          lv.req.request_id, lv.req.group_id, np.asarray(lv.req.prompt, np.int32),
+          np.asarray(lv.tokens, np.int32), np.asarray(lv.logprobs, np.float32), reason,
+          steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
+          finish_time=time.perf_counter() - t0)
+      lv.done = True
+      slots[slot] = None
+      self.costs.forget(lv.req.request_id)
+      if self.drafter is not None:
+        self.drafter.finish(lv.req.request_id, lv.req.group_id)
+        group_left[lv.req.group_id] -= 1
+        if group_left[lv.req.group_id] == 0 and hasattr(self.drafter, "end_group"):
+          self.drafter.end_group(lv.req.group_id)
 
-      budget = self.budget_for(len(live_idx))
-      td = time.perf_counter()
-      trees = [DraftTree.empty(budget)] * bucket
-      queries, wide = [], []
-      if budget > 0:
-        for i in live_idx:
-          q = self._query(slots[i], budget)
-          stats.ahead_hits += q.ahead is not None
-          if overlap:  # what to draft ahead from this step's context (the emitted tokens
-            # are unknown yet: a tree spanning this step's draft, its bonus and the next draft)
-            wide.append(dataclasses.replace(q, budget=2 * q.budget + 1, ahead=None))
-          if ahead_only and q.ahead is None:  # nothing drafted ahead fits: no draft this step
-            q = dataclasses.replace(q, budget=0)
-          queries.append(q)
-        for i, tree in zip(live_idx, self.drafter.propose(queries)):
-          trees[i] = tree
-        budget, trees = self._fit_budget(budget, trees)
-      tree_batch = accept.pack_trees(trees, budget)
-      stats.draft_time_s += time.perf_counter() - td
-
-      tdev = time.perf_counter()
-      state, out = self.verify(state, tree_batch, filters)
-      ahead = None
-      if wide:  # drafts for the next step while the device runs this one
-        ahead = pool.submit(_timed, self.drafter.lookahead, wide)
-      tokens_BxN, logp_BxN, num_B = jax.device_get(
-          (out.tokens_BxN, out.logprobs_BxN, out.num_emitted_B))
-      stats.device_time_s += time.perf_counter() - tdev
-      if ahead is not None:
+    def process(st: _Step, blocking: bool) -> None:
+      """Reads a step's outputs (blocking: no later step is queued, the device idles)."""
+      tw = time.perf_counter()
+      tokens_BxT, logp_BxT, num_B = jax.device_get(
+          (st.out.tokens_BxT, st.out.logprobs_BxT, st.out.num_emitted_B))
+      stats.device_time_s += time.perf_counter() - tw
+      stats.host_waits += blocking
+      if st.ahead is not None:
         tw = time.perf_counter()
-        wide_trees, seconds = ahead.result()
+        wide_trees, seconds = st.ahead.result()
         stats.lookahead_wait_s += time.perf_counter() - tw
         stats.lookahead_time_s += seconds
-        for i, tree in zip(live_idx, wide_trees):
-          slots[i].ahead, slots[i].ahead_from = tree, len(slots[i].tokens)
-      stats.steps += 1
-      stats.steps_by_shape[(bucket, budget)] += 1
-      stats.slot_steps += bucket
-      stats.useful_slot_steps += len(live_idx)
-      stats.trace.append((bucket, budget, len(live_idx), len(queue)))
-
-      for i in live_idx:
-        lv = slots[i]
-        drafted = int(tree_batch.valid_BxT[i].sum()) if budget else 0
-        emitted = int(num_B[i])
+        for lv, tree in zip(st.ahead_rows, wide_trees):
+          lv.ahead, lv.ahead_from = tree, len(lv.tokens)
+      asked = st.shape[2] > 1 or st.asked
+      for slot, lv, drafted, depth in st.rows:
+        if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
+          continue
+        emitted = int(num_B[slot])
         lv.steps += 1
         lv.drafted += drafted
         lv.accepted += emitted - 1
         stats.drafted += drafted
         stats.accepted += emitted - 1
+        if asked:
+          self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1)
         reason, new = None, []
         for k in range(emitted):
-          lv.tokens.append(int(tokens_BxN[i, k]))
-          lv.logprobs.append(float(logp_BxN[i, k]))
+          lv.tokens.append(int(tokens_BxT[slot, k]))
+          lv.logprobs.append(float(logp_BxT[slot, k]))
           new.append(lv.tokens[-1])
           reason = self._finish_reason(lv)
           if reason:
@@ -484,16 +541,105 @@ class RolloutEngine:
           self.drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(new, np.int32),
                                drafted, emitted - 1)
         if reason:
-          results[id(lv.req)] = RequestResult(
-              lv.req.request_id, lv.req.group_id, np.asarray(lv.req.prompt, np.int32),
-              np.asarray(lv.tokens, np.int32), np.asarray(lv.logprobs, np.float32), reason,
-              steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
-              finish_time=time.perf_counter() - t0)
-          if self.drafter is not None:
-            self.drafter.finish(lv.req.request_id, lv.req.group_id)
-            group_left[lv.req.group_id] -= 1
-            if group_left[lv.req.group_id] == 0 and hasattr(self.drafter, "end_group"):
-              self.drafter.end_group(lv.req.group_id)
-          slots[i] = None
+          finish(slot, lv, reason)
+
+    while queue or any(slots) or pending is not None:
+      ta = time.perf_counter()
+      admits = []
+      for i in range(bucket):
+        if slots[i] is None and queue:
+          admits.append((i, queue.popleft()))
+          slots[i] = _Live(admits[-1][1], [], [])
+      state = self._admit(state, admits)
+      live_idx = [i for i in range(bucket) if slots[i] is not None]
+      if pending is None:
+        while not queue and live_idx and self.bucket_for(len(live_idx)) < bucket:
+          rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]
+          state, bucket = self._shrink(state, bucket, rows)
+          slots = [slots[i] for i in rows[:bucket]]
+          live_idx = list(range(len(live_idx)))
+      excluded += time.perf_counter() - ta
+      speculate = bool(live_idx) and self._plan(bucket, slots, live_idx)
+      shrinks = not queue and self.bucket_for(len(live_idx)) < bucket
+      if pending is not None and (speculate or shrinks or not cfg.pipeline or not live_idx):
+        process(pending, blocking=True)  # drafts need the emitted tokens, moves a quiet state
+        pending = None
+        continue
+      if not live_idx:
+        break
+      in_flight = 0 if pending is None else pending.shape[2]
+      longest = max(len(slots[i].req.prompt) + len(slots[i].tokens) for i in live_idx)
+      td = time.perf_counter()
+      trees: list = [None] * bucket
+      counts, depths = [0] * bucket, [0] * bucket
+      p, t = bucket, 1
+      wide = []
+      if speculate:
+        shapes = self.config.spec_shapes(bucket)
+        cap = max(t for _, t in shapes) - 1
+        queries = []
+        for i in live_idx:
+          q = self._query(slots[i], cap)
+          stats.ahead_hits += q.ahead is not None
+          if overlap:  # drafted ahead from this step's context while the device runs it
+            wide.append(dataclasses.replace(q, budget=cfg.lookahead_budget, ahead=None))
+          if ahead_only and q.ahead is None:
+            q = dataclasses.replace(q, budget=0)
+          queries.append(q)
+        cleaned = [tree.cleaned(q.budget) for q, tree in
+                   zip(queries, self.drafter.propose(queries))]
+        values = [self.costs.node_values(slots[i].req.request_id, _depths(c[1]), c[2])
+                  for i, c in zip(live_idx, cleaned)]
+        s = self._kv_len_for(longest + in_flight + cap + 1)
+        cands = [(bucket, p_, t_, s) for p_, t_ in shapes]
+        if cfg.speculate == "always":
+          shape, take, _ = self.costs.choose(None, cands[-1:], values, len(live_idx))
+        else:
+          shape, take, _ = self.costs.choose((bucket, bucket, 1, s), cands, values,
+                                             len(live_idx))
+        p, t = shape[1], shape[2]
+        for k, i in enumerate(live_idx):
+          n = take[k]
+          if n:
+            toks, pars, _ = cleaned[k]
+            trees[i] = (toks[:n], pars[:n])
+            counts[i], depths[i] = n, int(_depths(pars[:n]).max())
+      draft_s = time.perf_counter() - td
+      stats.draft_time_s += draft_s
+      s = self._kv_len_for(longest + in_flight + t)
+      live_B = [slots[i] is not None for i in range(bucket)]
+      packed = accept.pack(trees, live_B, p)
+      tdisp = time.perf_counter()
+      if last is not None:  # the previous step's cost: dispatch to dispatch, less admission
+        prev_t, prev_shape, prev_draft = last
+        self.costs.observe_time(prev_shape, tdisp - prev_t - excluded - draft_s + prev_draft)
+      excluded = 0.0
+      state, out = self.verify(state, packed, filters, s, t)
+      shape = (bucket, p, t, s)
+      last = (tdisp, shape, draft_s)
+      st = _Step(out, [(i, slots[i], counts[i], depths[i]) for i in live_idx], shape,
+                 asked=speculate)
+      if wide:
+        st.ahead = self._pool.submit(_timed, self.drafter.lookahead, wide)
+        st.ahead_rows = [slots[i] for i in live_idx]
+      stats.steps += 1
+      stats.spec_steps += t > 1
+      stats.steps_by_shape[shape] += 1
+      stats.slot_steps += bucket
+      stats.useful_slot_steps += len(live_idx)
+      stats.positions += p
+      stats.live_positions += len(live_idx) + sum(counts)
+      stats.trace.append((bucket, p, len(live_idx), len(queue)))
+      if pending is not None:  # read the previous step while this one runs
+        process(pending, blocking=False)
+      pending = st
     stats.total_time_s = time.perf_counter() - t0
     return [results[k] for k in order]
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+  """Depth below the root of each node of a (tokens, parents) draft (children of root: 1)."""
+  d = np.zeros(len(parents), np.int64)
+  for i, par in enumerate(parents):
+    d[i] = 1 if par < 0 else d[par] + 1
+  return d

@@ -10,25 +10,19 @@ import jax.numpy as jnp
 from rhyme_jax.models.attention import KVCache
 
 
-def compact_accepted(cache: KVCache, length_B: jax.Array, path_BxT: jax.Array,
-                     num_accepted_B: jax.Array) -> KVCache:
-  """Moves the accepted nodes' entries to follow the root.
+def compact_accepted(cache: KVCache, length_B: jax.Array, row_P: jax.Array, index_P: jax.Array,
+                     depth_P: jax.Array, move_P: jax.Array) -> KVCache:
+  """Moves the accepted draft nodes' entries to follow the root.
 
-  The verify step wrote the root at `length` and draft node j at `length + j`; the k-th
-  accepted node belongs at `length + 1 + k`. Entries past the accepted ones are left as they
-  are: they lie beyond the new length and are never seen.
+  The verify step wrote a row's i-th packed token at `length + i`; the accepted node at depth
+  d belongs at `length + d`. Only tokens with `move_P` set move (one gather and one scatter of
+  P entries per layer); entries left behind lie past the new length and are never seen.
   """
-  b, t = path_BxT.shape
-  k_idx = jnp.arange(t)[None, :]
-  src_BxT = length_B[:, None] + jnp.where(k_idx < num_accepted_B[:, None], path_BxT, k_idx + 1)
-  dst_BxT = length_B[:, None] + 1 + k_idx
-  rows_BxT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  s = cache.max_len
-  src_BxT = jnp.clip(src_BxT, 0, s - 1)
+  src_P = jnp.clip(length_B[row_P] + index_P, 0, cache.max_len - 1)
+  dst_P = jnp.where(move_P, length_B[row_P] + depth_P, cache.max_len)
 
   def move(x_LxBxSxKxH):
-    moved = x_LxBxSxKxH[:, rows_BxT, src_BxT]
-    return x_LxBxSxKxH.at[:, rows_BxT, dst_BxT].set(moved, mode="drop")
+    return x_LxBxSxKxH.at[:, row_P, dst_P].set(x_LxBxSxKxH[:, row_P, src_P], mode="drop")
 
   return KVCache(move(cache.k_LxBxSxKxH), move(cache.v_LxBxSxKxH))
 

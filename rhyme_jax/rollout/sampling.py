@@ -59,16 +59,8 @@ def sample_keys(seed: int | jax.Array, request_N: jax.Array, position_N: jax.Arr
       request_N, position_N)
 
 
-def filtered_logits(logits_NxV: jax.Array, temperature_N: jax.Array, top_p_N: jax.Array,
-                    top_k_N: jax.Array, filters: bool) -> jax.Array:
-  """Temperature-scaled logits with top-k then top-p truncation (truncated entries -1e30).
-
-  `filters` is static: without it no sort over the vocabulary is compiled in.
-  """
-  greedy_N = temperature_N <= 0
-  scaled = logits_NxV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
-  if not filters:
-    return scaled
+def _full_sort_filter(scaled: jax.Array, top_p_N: jax.Array, top_k_N: jax.Array) -> jax.Array:
+  """Top-k then top-p over a full sort of the vocabulary (the definition; rarely needed)."""
   v = scaled.shape[-1]
   sorted_NxV = -jnp.sort(-scaled, axis=-1)
   kth_N = jnp.take_along_axis(sorted_NxV, jnp.clip(top_k_N - 1, 0, v - 1)[:, None], axis=-1)
@@ -83,17 +75,65 @@ def filtered_logits(logits_NxV: jax.Array, temperature_N: jax.Array, top_p_N: ja
   return jnp.where(keep_k & keep_p, scaled, _NEG)
 
 
+def _candidate_filter(scaled: jax.Array, top_p_N: jax.Array, top_k_N: jax.Array, c: int
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Top-k then top-p from the `c` largest logits only (`lax.top_k`, no vocabulary sort).
+
+  Returns (filtered logits, ok_N): ok_N is False where the answer may lie past the c
+  candidates (top_k > c, or top_p not reached within them); the caller falls back there.
+  """
+  top_NxC, _ = jax.lax.top_k(scaled, c)
+  ranks = jnp.arange(c)[None, :]
+  k_on = (top_k_N > 0)[:, None]
+  kth_N = jnp.take_along_axis(top_NxC, jnp.clip(top_k_N - 1, 0, c - 1)[:, None], axis=-1)
+  keep_k = jnp.where(k_on, scaled >= kth_N, True)
+  cand = jnp.where(k_on & (ranks >= top_k_N[:, None]), _NEG, top_NxC)
+  # The normaliser: over the top-k set when top-k is on, else over the whole vocabulary.
+  lse_N = jnp.where(k_on[:, 0], jax.nn.logsumexp(cand, axis=-1),
+                    jax.nn.logsumexp(scaled, axis=-1))
+  probs = jnp.exp(cand - lse_N[:, None])
+  cum = jnp.cumsum(probs, axis=-1)
+  count_N = jnp.maximum(jnp.sum(cum - probs < top_p_N[:, None], axis=-1), 1)
+  thresh_N = jnp.take_along_axis(cand, (count_N - 1)[:, None], axis=-1)
+  keep_p = (scaled >= thresh_N) | (top_p_N >= 1.0)[:, None]
+  ok_N = ((top_k_N <= c) & ((top_p_N >= 1.0) | (top_k_N > 0) | (cum[:, -1] >= top_p_N)))
+  return jnp.where(keep_k & keep_p, scaled, _NEG), ok_N
+
+
+CANDIDATES = 256  # logits kept by lax.top_k before top-p (a full sort only if they fall short)
+
+
+def filtered_logits(logits_NxV: jax.Array, temperature_N: jax.Array, top_p_N: jax.Array,
+                    top_k_N: jax.Array, filters: bool) -> jax.Array:
+  """Temperature-scaled logits with top-k then top-p truncation (truncated entries -1e30).
+
+  `filters` is static: without it no top-k is compiled in. With it the threshold comes from
+  the CANDIDATES largest logits (`lax.top_k`, linear in the vocabulary); only when some row's
+  top-p mass is not reached within them does a full sort run (`lax.cond`).
+  """
+  greedy_N = temperature_N <= 0
+  scaled = logits_NxV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
+  if not filters:
+    return scaled
+  c = min(CANDIDATES, scaled.shape[-1])
+  fast, ok_N = _candidate_filter(scaled, top_p_N, top_k_N, c)
+  return jax.lax.cond(jnp.all(ok_N), lambda: fast,
+                      lambda: _full_sort_filter(scaled, top_p_N, top_k_N))
+
+
 def sample(logits_NxV: jax.Array, keys_N: jax.Array, temperature_N: jax.Array,
            top_p_N: jax.Array, top_k_N: jax.Array, filters: bool):
   """Draws one token per row; returns (tokens_N, logprobs_N).
 
   The log-probability is under the distribution sampled from (after temperature and
   truncation); for greedy rows it is the model's own log-probability of the argmax token.
+  It comes from the same pass: the chosen logit minus one logsumexp (no V-wide log-softmax).
   """
   proc = filtered_logits(logits_NxV, temperature_N, top_p_N, top_k_N, filters)
   gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits_NxV.shape[-1],), jnp.float32))(keys_N)
   greedy_N = temperature_N <= 0
   tokens_N = jnp.where(greedy_N, jnp.argmax(logits_NxV, axis=-1),
                        jnp.argmax(proc + gumbel, axis=-1)).astype(jnp.int32)
-  logp = jax.nn.log_softmax(jnp.where(greedy_N[:, None], logits_NxV, proc), axis=-1)
-  return tokens_N, jnp.take_along_axis(logp, tokens_N[:, None], axis=-1)[:, 0]
+  base = jnp.where(greedy_N[:, None], logits_NxV, proc)
+  chosen_N = jnp.take_along_axis(base, tokens_N[:, None], axis=-1)[:, 0]
+  return tokens_N, chosen_N - jax.nn.logsumexp(base, axis=-1)

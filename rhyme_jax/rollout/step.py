@@ -1,10 +1,10 @@
 """The decode state of B slots and the pure functions that advance it.
 
-`verify_step` is the only decode step: it feeds each slot's root token plus a draft tree of
-static budget T (T = 0 is plain one-token decoding), samples every node with its
-position-keyed key, walks the tree, compacts the accepted path's KV and returns the emitted
-tokens. `prefill_chunk` writes one chunk of one slot's prompt. Both are pure functions of
-(graphdef, params, state, inputs), jitted once per (bucket, budget) by the engine.
+`verify_step` is the only decode step: it feeds the slots' roots and draft nodes packed on one
+token axis (accept.PackedTrees; a plain step packs roots alone), samples every token with its
+position-keyed key, accepts in closed form, compacts the accepted path's KV and returns the
+emitted tokens. `prefill_chunk` writes one chunk of one slot's prompt. Both are pure functions
+of (graphdef, params, state, inputs), jitted once per static shape by the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rhyme_jax.models import attention
 from rhyme_jax.models.attention import KVCache
 from rhyme_jax.rollout import accept, kv_cache, sampling
 
@@ -46,44 +47,43 @@ class DecodeState:
 
 
 class StepOutput(NamedTuple):
-  tokens_BxN: jax.Array  # int32 emitted tokens (first num_emitted valid), N = T+1
-  logprobs_BxN: jax.Array  # float32 their log-probabilities under the sampling distribution
-  num_emitted_B: jax.Array  # int32 in [1, T+1]
+  tokens_BxT: jax.Array  # int32 emitted tokens (first num_emitted valid), T = max_q_len
+  logprobs_BxT: jax.Array  # float32 their log-probabilities under the sampling distribution
+  num_emitted_B: jax.Array  # int32 in [1, T] for rows with tokens, 0 for empty slots
 
 
 def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
-                tree: accept.TreeBatch, seed: jax.Array, filters: bool
-                ) -> tuple[DecodeState, StepOutput]:
-  """One forward over root + draft tree per slot, lossless acceptance, KV compaction."""
+                trees: accept.PackedTrees, seed: jax.Array, *, filters: bool, max_kv_len: int,
+                max_q_len: int) -> tuple[DecodeState, StepOutput]:
+  """One forward over the packed roots and draft nodes, lossless acceptance, KV compaction.
+
+  Static shape: B rows, P packed tokens (trees.tokens_P), at most `max_q_len` tokens per row,
+  attention over the first `max_kv_len` cache positions (>= every row's length + q_len).
+  `max_q_len == 1` is plain decoding (every row its root alone).
+  """
   model = nnx.merge(graphdef, params)
-  b, t = tree.tokens_BxT.shape
-  n = t + 1
-  tokens_BxN = jnp.concatenate([state.root_B[:, None], tree.tokens_BxT], axis=1)
-  depth_BxN = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depth_BxT], axis=1)
-  positions_BxN = state.length_B[:, None] + depth_BxN
-  out = model(tokens_BxN, positions_BxN, cache=state.cache, cache_len_B=state.length_B,
-              mask_BxTxT=tree.mask_BxNxN)
-  # Node i samples the token at position (its position + 1).
-  keys = sampling.sample_keys(seed, jnp.repeat(state.request_B, n), (positions_BxN + 1).reshape(-1))
-  rep = lambda x: jnp.repeat(x, n)
-  sampled, logp = sampling.sample(out.logits_BxTxV.reshape(b * n, -1), keys,
-                                  rep(state.temperature_B), rep(state.top_p_B),
-                                  rep(state.top_k_B), filters)
-  sampled_BxN, logp_BxN = sampled.reshape(b, n), logp.reshape(b, n)
-  if t == 0:  # plain decoding: the root's sample is the one emitted token
-    num_acc_B = jnp.zeros((b,), jnp.int32)
-    emitted_BxN, emitted_logp_BxN, cache = sampled_BxN, logp_BxN, out.cache
-  else:
-    acc = accept.accept_walk(sampled_BxN, tree.tokens_BxT, tree.parents_BxT, tree.valid_BxT)
-    nodes_BxN = accept.emitted_nodes(acc)
-    emitted_BxN = jnp.take_along_axis(sampled_BxN, nodes_BxN, axis=1)
-    emitted_logp_BxN = jnp.take_along_axis(logp_BxN, nodes_BxN, axis=1)
-    num_acc_B = acc.num_accepted_B
-    cache = kv_cache.compact_accepted(out.cache, state.length_B, acc.path_BxT, num_acc_B)
-  num_B = num_acc_B + 1
-  new_root_B = jnp.take_along_axis(emitted_BxN, num_acc_B[:, None], axis=1)[:, 0]
-  new_state = state.replace(cache=cache, length_B=state.length_B + num_B, root_B=new_root_B)
-  return new_state, StepOutput(emitted_BxN, emitted_logp_BxN, num_B)
+  b, p = state.batch, trees.tokens_P.shape[0]
+  row_P, i_P, valid_P = attention.packed_rows(trees.q_start_B, trees.q_len_B, p)
+  is_root_P = i_P == 0
+  tokens_P = jnp.where(is_root_P, state.root_B[row_P], trees.tokens_P)
+  positions_P = state.length_B[row_P] + trees.depth_P
+  pk = attention.Packed(state.length_B, trees.q_start_B, trees.q_len_B, trees.mask_PxW,
+                        max_kv_len, max_q_len)
+  logits_PxV, cache = model.decode_packed(tokens_P, positions_P, state.cache, pk)
+  # A token samples the token at (its position + 1).
+  keys = sampling.sample_keys(seed, state.request_B[row_P], positions_P + 1)
+  sampled_P, logp_P = sampling.sample(logits_PxV, keys, state.temperature_B[row_P],
+                                      state.top_p_B[row_P], state.top_k_B[row_P], filters)
+  acc = accept.accept_packed(sampled_P, logp_P, trees, b, max_q_len)
+  if max_q_len > 1:  # plain decoding has nothing to move
+    cache = kv_cache.compact_accepted(cache, state.length_B, row_P, i_P, trees.depth_P,
+                                      acc.on_path_P & ~is_root_P)
+  live_B = trees.q_len_B > 0
+  num_B = jnp.where(live_B, acc.num_accepted_B + 1, 0)
+  last_B = jnp.take_along_axis(acc.emitted_BxT, acc.num_accepted_B[:, None], axis=1)[:, 0]
+  new_state = state.replace(cache=cache, length_B=state.length_B + num_B,
+                            root_B=jnp.where(live_B, last_B, state.root_B))
+  return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B)
 
 
 def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slot: jax.Array,

@@ -30,9 +30,9 @@ def model():
 def engine(model, drafter, eos=(EOS,), budget=BUDGET, draft_mode="sync"):
   """Every step verifies a tree of `budget` tokens (empty for NoDrafts): one step shape for
   plain and speculative runs, so their tokens must be bit-identical."""
-  cfg = EngineConfig(max_len=96, buckets=(8, 4, 2, 1), budgets=(budget,),
-                     budget_by_batch=((1 << 30, budget),), eos_ids=eos, seed=7,
-                     draft_mode=draft_mode)
+  cfg = EngineConfig(max_len=96, buckets=(8, 4, 2, 1), max_draft=budget, speculate="always",
+                     pack_factors=(budget + 1,),
+                     kv_buckets=1, eos_ids=eos, seed=7, draft_mode=draft_mode)
   return RolloutEngine(model, cfg, drafter)
 
 

@@ -23,8 +23,11 @@ def requests(params, n=8, seed=0):
 
 
 def engine(model, drafter, budget=4, buckets=(4, 2, 1)):
-  cfg = EngineConfig(max_len=64, buckets=buckets, budgets=(budget,),
-                     budget_by_batch=((1 << 30, budget),), eos_ids=(EOS,), seed=5)
+  """Every step in one shape: the largest speculative one for budget > 0, plain for 0."""
+  cfg = EngineConfig(max_len=64, buckets=buckets, max_draft=budget,
+                     pack_factors=(budget + 1,) if budget else (2,),
+                     speculate="always" if budget else "never", kv_buckets=1, eos_ids=(EOS,),
+                     seed=5)
   return RolloutEngine(model, cfg, drafter)
 
 
@@ -110,8 +113,9 @@ def test_continuous_batching_keeps_slots_full(tiny_model):
   assert all(len(r.tokens) <= p.max_new_tokens for r, p in zip(results, params))
   while_queued = [(b, live) for b, _, live, queued in eng.stats.trace if queued > 0]
   assert while_queued and all(live == b for b, live in while_queued)
-  # The tail runs in smaller buckets.
-  assert {b for b, _, _, _ in eng.stats.trace} == {4, 2, 1}
+  # The tail runs in smaller buckets (which ones depends on how finishes coincide).
+  used = {b for b, _, _, _ in eng.stats.trace}
+  assert 4 in used and 1 in used and used <= {4, 2, 1}
 
 
 def test_bad_requests_fail_alone(tiny_model):
@@ -157,10 +161,11 @@ def test_stop_sequences_and_max_tokens(tiny_model):
     assert res.finish_reason == "stop"
 
 
-def test_step_shape_fits_the_drafts(tiny_model):
-  """A step verifies the smallest compiled budget that holds its drafts: empty drafts run the
-  plain one-token step; and the end of each group is reported to the drafter."""
-
+def test_cost_model_chooses_plain_and_packed_steps(tiny_model):
+  """speculate="auto": without a drafter every step is plain (one position per live row, and
+  pipelined: almost no blocking host waits), and so is it with empty drafts; with perfect short drafts the cost model verifies
+  them in packed steps, positions verified stay within 1.3x of live rows + drafted nodes, the
+  tokens are the plain run's, nothing compiles after warm-up; group ends reach the drafter."""
   class Recorder(OracleDrafter):
     ended = []
 
@@ -168,16 +173,26 @@ def test_step_shape_fits_the_drafts(tiny_model):
       self.ended.append(group_id)
 
   params = SamplingParams(temperature=0.0, max_new_tokens=12)
-  plain = engine(tiny_model, None, budget=0).generate(requests(params))
-  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), budgets=(0, 2, 8),
-                     budget_by_batch=((1 << 30, 8),), eos_ids=(EOS,), seed=5)
-  eng = RolloutEngine(tiny_model, cfg, NoDrafts())
-  eng.generate(requests(params))
-  assert {t for _, t in eng.stats.steps_by_shape} == {0}
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=8, eos_ids=(EOS,), seed=5)
+  eng = RolloutEngine(tiny_model, cfg, None)
+  eng.warmup()
+  before = dict(TRACE_COUNTS)
+  plain = eng.generate(requests(params))
+  assert {t for _, _, t, _ in eng.stats.steps_by_shape} == {1}
+  assert eng.stats.host_waits <= 0.25 * eng.stats.steps
+  eng = RolloutEngine(tiny_model, cfg, NoDrafts())  # asks for drafts, gets none: plain steps
+  res = eng.generate(requests(params))
+  assert {t for _, _, t, _ in eng.stats.steps_by_shape} == {1}
+  for a, b in zip(plain, res):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
   drafter = Recorder({r.request_id: r.tokens for r in plain}, 64, max_len=2)
   eng = RolloutEngine(tiny_model, cfg, drafter)
+  eng.warmup()  # step times of every shape, measured
   res = eng.generate(requests(params))
-  assert {t for _, t in eng.stats.steps_by_shape} <= {0, 2} and eng.stats.accepted > 0
+  assert dict(TRACE_COUNTS) == before, "a rollout compiled"
+  stats = eng.stats
+  assert stats.spec_steps > 0 and stats.accepted > 0
+  assert stats.positions <= 1.3 * stats.live_positions
   for a, b in zip(plain, res):
     np.testing.assert_array_equal(a.tokens, b.tokens)
   assert sorted(drafter.ended) == [0, 1]
@@ -186,3 +201,7 @@ def test_step_shape_fits_the_drafts(tiny_model):
 def test_bad_engine_config_is_named():
   with pytest.raises(ValueError, match=r"draft_mode='fast': expected one of \('sync'"):
     EngineConfig(draft_mode="fast")
+  with pytest.raises(ValueError, match=r"max_draft=40: must be in \[0, 32\)"):
+    EngineConfig(max_draft=40)
+  with pytest.raises(ValueError, match=r"speculate='maybe'"):
+    EngineConfig(speculate="maybe")

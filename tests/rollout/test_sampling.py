@@ -77,3 +77,18 @@ def test_greedy_logprob_is_model_logprob():
 def test_invalid_params_name_the_field(field, kw):
   with pytest.raises(ValueError, match=field):
     SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.9, 0), (0.5, 20), (1.0, 7), (0.999999, 0),
+                                         (1.0, 300)])
+def test_candidate_filter_equals_the_full_sort(top_p, top_k):
+  """Top-k before top-p from lax.top_k candidates (a full sort only when they fall short, e.g.
+  top-p mass past the candidates or top_k > candidates) keeps exactly what the sort keeps."""
+  rng = np.random.default_rng(7)
+  v, n = 2000, 12
+  logits = jnp.asarray(rng.normal(size=(n, v)).astype(np.float32) * 2)
+  t, p, k = jnp.full(n, 0.8), jnp.full(n, top_p), jnp.full(n, top_k, jnp.int32)
+  fast = np.asarray(sampling.filtered_logits(logits, t, p, k, filters=True))
+  full = np.asarray(sampling._full_sort_filter(logits / 0.8, p, k))
+  np.testing.assert_array_equal(fast > -1e29, full > -1e29)
+  np.testing.assert_allclose(fast, full)

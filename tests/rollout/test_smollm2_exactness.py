@@ -20,7 +20,7 @@ def setup(smollm2, smollm2_tokenizer):
   prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
                                                 add_generation_prompt=True, tokenize=False))
              for q in QUESTIONS]
-  cfg = EngineConfig(max_len=96, buckets=(2,), budgets=(4,), budget_by_batch=((64, 4),),
+  cfg = EngineConfig(max_len=96, buckets=(2,), max_draft=4, speculate="always", kv_buckets=1,
                      eos_ids=tuple(tok.stop_ids), seed=3)
   return model, tok, prompts, cfg
 

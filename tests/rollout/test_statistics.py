@@ -50,8 +50,8 @@ def jax_logsumexp(x):
 
 
 def sample_pairs(model, drafter, budget, seed):
-  cfg = EngineConfig(max_len=8, buckets=(512,), budgets=(budget,),
-                     budget_by_batch=((1 << 30, budget),), seed=seed)
+  cfg = EngineConfig(max_len=8, buckets=(512,), max_draft=budget,
+                     speculate="always" if budget else "never", seed=seed)
   res = RolloutEngine(model, cfg, drafter).generate(
       [Request(i, PROMPT, PARAMS) for i in range(N)])
   return np.stack([r.tokens for r in res])

@@ -1,0 +1,124 @@
+"""The engine's cost model: what a step of each compiled shape costs, what drafts are worth.
+
+Step times per shape (bucket B, packed size P, tokens per row T, cache bucket S) are measured
+at warm-up and refined online with an exponential moving average of whole loop iterations
+(device, host sync, drafting and bookkeeping: what a step really costs the rollout). Each
+request's acceptance rate is estimated from its own history with a prior from all requests. A
+step then verifies the nodes, and picks the shape, with the most expected tokens per second;
+when no shape beats the plain step, the step is plain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Hashable, Sequence
+
+import numpy as np
+
+Shape = tuple  # (bucket, packed P, tokens per row T, cache bucket S)
+
+
+@dataclasses.dataclass
+class _Acceptance:
+  accepted: float = 0.0
+  tried: float = 0.0  # depth levels tested (accepted + the one that failed, if any)
+
+
+class CostModel:
+  """Step times per shape and per-request acceptance, and the choice they imply."""
+
+  def __init__(self, ema: float = 0.25, prior_strength: float = 4.0):
+    self.ema = ema
+    self.prior_strength = prior_strength
+    self.seconds: dict[Shape, float] = {}
+    self._acc: dict[Hashable, _Acceptance] = {}
+    self._global = _Acceptance(1.0, 2.0)  # prior alpha 0.5 until something is observed
+
+  # ---- step times --------------------------------------------------------------------------
+
+  def observe_time(self, shape: Shape, seconds: float, warmup: bool = False) -> None:
+    old = self.seconds.get(shape)
+    self.seconds[shape] = seconds if old is None or warmup else (
+        (1 - self.ema) * old + self.ema * seconds)
+
+  def time(self, shape: Shape) -> float:
+    """Seconds per step of `shape`, never below a measured shape of the same bucket that
+    computes no more (fewer positions, no longer cache): noise must not make a bigger step look
+    cheaper. Unmeasured shapes scale the nearest measured one by P."""
+    own = self._time(shape)
+    smaller = [self._time(s) for s in self.seconds
+               if s[0] == shape[0] and s[1] <= shape[1] and s[2] <= shape[2] and s[3] <= shape[3]]
+    return max([own] + smaller)
+
+  def _time(self, shape: Shape) -> float:
+    if shape in self.seconds:
+      return self.seconds[shape]
+    same = [(s, t) for s, t in self.seconds.items() if s[0] == shape[0]]
+    if not same:
+      return float(shape[1])  # nothing known: proportional to positions
+    s, t = min(same, key=lambda st: abs(st[0][1] - shape[1]) + abs(st[0][3] - shape[3]))
+    return t * max(shape[1] / s[1], 1.0)
+
+  # ---- acceptance --------------------------------------------------------------------------
+
+  def alpha(self, request_id: Hashable) -> float:
+    """Per-level acceptance estimate: the request's own counts over a prior of all requests."""
+    g = self._global.accepted / max(self._global.tried, 1e-9)
+    a = self._acc.get(request_id, _Acceptance())
+    k = self.prior_strength
+    return float(np.clip((a.accepted + k * g) / (a.tried + k), 0.0, 0.99))
+
+  def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int) -> None:
+    """After a step that asked for a draft: `depth` of the verified tree (0 when the drafter
+    had nothing, which counts as one failed level), `accepted` draft nodes."""
+    tried = accepted + (1 if accepted < depth or depth <= 0 else 0)
+    a = self._acc.setdefault(request_id, _Acceptance())
+    a.accepted += accepted
+    a.tried += tried
+    self._global.accepted = 0.99 * self._global.accepted + accepted
+    self._global.tried = 0.99 * self._global.tried + tried
+
+  def forget(self, request_id: Hashable) -> None:
+    self._acc.pop(request_id, None)
+
+  def node_values(self, request_id: Hashable, depth: np.ndarray,
+                  probs: np.ndarray | None) -> np.ndarray:
+    """Expected accepted tokens each node adds: the drafter's path probability when given,
+    else alpha ** depth."""
+    if probs is not None and len(probs) == len(depth):
+      return np.clip(probs.astype(np.float64), 0.0, 1.0)
+    return self.alpha(request_id) ** depth.astype(np.float64)
+
+  # ---- the choice --------------------------------------------------------------------------
+
+  def choose(self, plain: Shape | None, shapes: Sequence[Shape], values: Sequence[np.ndarray],
+             live: int) -> tuple[Shape, list[int], float]:
+    """The shape and per-row node counts with the most expected tokens per second.
+
+    `values[r]` are row r's nodes' expected gains in best-first order (a prefix is a tree);
+    returns (shape, nodes per row, expected tokens / s). Plain when nothing pays; with
+    `plain` None the best of `shapes` (forced speculation).
+    """
+    best = None if plain is None else (plain, [0] * len(values), live / self.time(plain))
+    for shape in shapes:
+      room, cap = shape[1] - live, shape[2] - 1
+      if room <= 0 or cap <= 0:
+        continue
+      take = [0] * len(values)
+      heap = [(-v[0], r) for r, v in enumerate(values) if len(v)]
+      heapq.heapify(heap)
+      gain = 0.0
+      while heap and room > 0:
+        neg, r = heapq.heappop(heap)
+        gain -= neg
+        take[r] += 1
+        room -= 1
+        if take[r] < min(cap, len(values[r])):
+          heapq.heappush(heap, (-values[r][take[r]], r))
+      if gain <= 0 and plain is not None:
+        continue
+      rate = (live + gain) / self.time(shape)
+      if best is None or rate > best[2]:
+        best = (shape, take, rate)
+    return best
