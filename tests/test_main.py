@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from rhyme_jax.checkpoint import write_run_config
+from rhyme_jax.run_config import write_run_config
 from rhyme_jax.config import parse_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

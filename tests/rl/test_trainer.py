@@ -66,7 +66,7 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
   config = parse_flags(tiny_flags(tiny_model, tmp_path / "run", "--num_steps=2",
                                   "--checkpoint_every=1", "--eval_every=2", "--eval_size=3"))
   t = trainer.Trainer(config)
-  before = jax.tree.map(np.array, t.params)
+  before = jax.tree.map(np.array, t.learner.params)
   traces = dict(TRACE_COUNTS)  # the engine was warmed up in the constructor
   history = t.run()
   assert dict(TRACE_COUNTS) == traces, "the rollouts or the greedy eval compiled"
@@ -84,13 +84,13 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
   # Steps 1 and 2 are different prompts (train_size 6 = 3 steps per epoch).
   assert records[0]["data/batch_hash"] != records[1]["data/batch_hash"]
 
-  after = jax.tree.map(np.array, t.params)
+  after = jax.tree.map(np.array, t.learner.params)
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before, after))
   assert max(moved) > 1e-4
-  engine_params = jax.tree.map(np.array, nnx.split(nnx.merge(t.graphdef, t.engine.params))[1])
+  engine_params = jax.tree.map(np.array, nnx.split(nnx.merge(t.learner.graphdef, t.rollouts.engine.params))[1])
   for a, b in zip(jax.tree.leaves(engine_params), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)  # the engine samples from the updated policy
-  assert len(t.store) == 4  # 2 steps x 2 prompts recorded for the next epoch
+  assert len(t.rollouts.store) == 4  # 2 steps x 2 prompts recorded for the next epoch
   assert t.checkpointer.all_steps() == [1, 2]
   cfg = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
   assert cfg["rollout"]["spec"] == "histospec"
