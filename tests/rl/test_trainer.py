@@ -78,7 +78,9 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
     assert r["response_length/max"] <= 6
     assert 0.0 <= r["reward/mean"] <= 1.0
     assert np.isfinite(r["train/loss"]) and r["grad_norm"] > 0  # rewards differ in groups
-    assert r["rollout/mean_accepted_length"] >= 1.0
+    # Tokens per useful slot-step: 1 without accepted drafts (epoch 0 has no history; a
+    # random model's siblings almost never agree), never below 1.
+    assert 1.0 <= r["rollout/mean_accepted_length"] <= 1.1
     assert r["seq_len"] == 128
   assert "eval/accuracy" in records[1] and "eval/accuracy" not in records[0]
   # Steps 1 and 2 are different prompts (train_size 6 = 3 steps per epoch).
@@ -118,7 +120,8 @@ def test_eight_device_mesh(tiny_model, tmp_path):
     assert np.isfinite(r["train/loss"])
     assert r["rollout/groups_kept"] <= 2
     assert 1 <= r["rollout/rounds"] <= 2
-    assert r["kl"] >= 0.0
+    if r["rollout/groups_kept"]:  # trained: the second epoch starts away from the reference
+      assert r["kl"] > 0.0
   # The second epoch of step 2 starts from moved parameters: KL to the reference is non-zero.
   assert records[1]["kl"] > 0.0
 
@@ -153,3 +156,60 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
   assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
   assert [r["data/batch_hash"] for r in got] == [r["data/batch_hash"] for r in want]
   assert comparable(got) == comparable(want)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model, tmp_path_factory):
+  """An uninterrupted 4-step run: what every interrupted-and-resumed run must reproduce."""
+  run_dir = tmp_path_factory.mktemp("reference") / "run"
+  proc = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4"), timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_cleanly_and_resume_repeats_nothing(tiny_model, tmp_path,
+                                                               reference_run):
+  run_dir = tmp_path / "run"
+  # No periodic checkpoint before the end: the only one at SIGTERM is the one it makes.
+  args = tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=100")
+  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + 600
+  while not (metrics.exists() and read_metrics(metrics)):
+    assert proc.poll() is None and time.time() < deadline, "the run ended before SIGTERM"
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  stopped = max(r["step"] for r in read_metrics(metrics))
+  assert stopped < 4 and f"stopped at step {stopped} (checkpoint saved)" in err
+  assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped]
+
+  resumed = run_entry(args, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"at step {stopped}" in resumed.stderr
+  got = read_metrics(metrics)
+  assert [r["step"] for r in got] == [1, 2, 3, 4]  # nothing skipped, nothing repeated
+  assert comparable(got) == comparable(reference_run)
+
+
+@pytest.mark.slow
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(tiny_model, tmp_path,
+                                                              reference_run):
+  run_dir = tmp_path / "run"
+  first = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=3", "--checkpoint_every=1",
+                               "--keep_checkpoints=3"), timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  for p in (run_dir / "checkpoints" / "3").rglob("*"):
+    if p.is_file() and p.stat().st_size and "params" in p.parts:
+      os.truncate(p, p.stat().st_size // 2)
+  resumed = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=1",
+                                 "--keep_checkpoints=3"), timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "warning: checkpoint step 3 is unreadable, trying an older one" in resumed.stderr
+  assert "at step 2" in resumed.stderr
+  got = read_metrics(run_dir / "metrics.jsonl")
+  assert [r["step"] for r in got] == [1, 2, 3, 4]  # step 3 redone from step 2's state
+  assert comparable(got) == comparable(reference_run)
