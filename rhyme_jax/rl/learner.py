@@ -144,8 +144,7 @@ class Learner:
     for i in range(0, batch["tokens"].shape[0], self.micro):
       rows = {k: batch[k][i:i + self.micro] for k in ("tokens", "targets")}
       rows = parallel.shard_batch(rows, self.mesh)
-      out.append(np.asarray(self._logprobs(self.params if params is None else params,
-                                           rows["tokens"], rows["targets"])))
+      out.append(np.asarray(self._logprobs(params, rows["tokens"], rows["targets"])))
     return np.concatenate(out).astype(np.float32)
 
   def train_on(self, groups: Sequence[Sequence[Sample]]) -> dict[str, Any]:
