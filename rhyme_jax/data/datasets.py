@@ -21,6 +21,7 @@ __all__ = ["DatasetError", "Example", "content_uid", "load_examples", "load_gsm8
 
 REQUIRED_FIELDS = ("question", "answer")
 GSM8K_DIR_ENV = "RHYME_JAX_GSM8K_DIR"
+_OLD_GSM8K_DIR_ENV = "RHYME_GSM8K_DIR"
 ARITHMETIC_TRAIN_SIZE = 2000  # problems generated when no train size is given
 ARITHMETIC_TEST_SIZE = 200  # held-out problems (fixed: the train split excludes them)
 
@@ -35,6 +36,9 @@ def default_gsm8k_dir() -> Path:
   env = os.environ.get(GSM8K_DIR_ENV)
   if env:
     return Path(env)
+  if os.environ.get(_OLD_GSM8K_DIR_ENV):  # the name older docs gave: refuse, don't ignore it
+    raise DatasetError(f"${_OLD_GSM8K_DIR_ENV} is set but not read: the variable is "
+                       f"${GSM8K_DIR_ENV} (or pass --data_dir)")
   return project_root().parent / "shared" / "datasets" / "gsm8k"
 
 

@@ -98,6 +98,7 @@ GSM8K_MISSING = ("the shared GSM8K copy (../shared/datasets/gsm8k/test.jsonl nex
 
 def test_gsm8k_default_location(monkeypatch):
   monkeypatch.delenv(datasets.GSM8K_DIR_ENV, raising=False)
+  monkeypatch.delenv("RHYME_GSM8K_DIR", raising=False)
   assert datasets.default_gsm8k_dir() == datasets.project_root().parent / "shared" / \
       "datasets" / "gsm8k"
   if not (datasets.default_gsm8k_dir() / "test.jsonl").is_file():
@@ -119,6 +120,11 @@ def test_gsm8k_override_by_argument_and_environment(tmp_path, monkeypatch):
     datasets.load_gsm8k("train")
   with pytest.raises(DatasetError, match="split must be"):
     datasets.load_gsm8k("dev")
+  monkeypatch.delenv(datasets.GSM8K_DIR_ENV)
+  monkeypatch.setenv("RHYME_GSM8K_DIR", str(tmp_path))  # the name old docs gave
+  with pytest.raises(DatasetError, match=r"\$RHYME_GSM8K_DIR is set but not read: the variable "
+                     r"is \$RHYME_JAX_GSM8K_DIR"):
+    datasets.load_examples("gsm8k", "test")
 
 
 def test_load_examples_sources(tmp_path):
