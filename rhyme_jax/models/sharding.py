@@ -32,9 +32,9 @@ from rhyme_jax.parallel import BATCH, fit_spec, path_str
 # Ordered (regex over the slash path, spec). Kernels are stored [in, out].
 PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"(^|/)embed/embedding$", P("tensor", "fsdp")),  # [V, D]
-    (r"(^|/)attn/(q|k|v)_proj/kernel$", P("fsdp", "tensor")),  # [D, heads*Dh]
-    (r"(^|/)attn/(q|k|v)_proj/bias$", P("tensor")),  # [heads*Dh]
-    (r"(^|/)attn/o_proj/kernel$", P("tensor", "fsdp")),  # [N*Dh, D]
+    (r"(^|/)attn/(q|k|v)_proj/kernel$", P("fsdp", "tensor")),  # [D, N*H] (q) or [D, K*H] (k, v)
+    (r"(^|/)attn/(q|k|v)_proj/bias$", P("tensor")),  # [N*H] or [K*H]
+    (r"(^|/)attn/o_proj/kernel$", P("tensor", "fsdp")),  # [N*H, D]
     (r"(^|/)mlp/(gate|up)_proj/kernel$", P("fsdp", "tensor")),  # [D, F]
     (r"(^|/)mlp/down_proj/kernel$", P("tensor", "fsdp")),  # [F, D]
     (r"(^|/)lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
