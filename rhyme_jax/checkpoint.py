@@ -123,6 +123,7 @@ class CheckpointError(ValueError):
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
   text = " ".join(str(e).split()) or type(e).__name__
+  text = text.split(" See full TensorStore details")[0]
   return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -248,7 +249,12 @@ class RunCheckpointer:
       items["host_arrays"] = ocp.args.StandardRestore()
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except (ValueError, OSError, KeyError, TypeError) as e:
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Unreadable data: the usual errors, or the bare `Exception` orbax raises for a
+      # truncated tensorstore chunk. Anything more specific is a bug: re-raised.
+      if type(e) is not Exception and not isinstance(e, (ValueError, OSError, KeyError,
+                                                          TypeError)):
+        raise
       raise CheckpointError(f"{self.directory / str(step)}: cannot restore arrays "
                             f"({_one_line(e)})") from e
     arrays = restored["host_arrays"] if host["num_host_arrays"] else {}
