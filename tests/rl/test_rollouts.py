@@ -36,19 +36,17 @@ def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tok
   examples = [Example("a", "1+1?", "#### 2"), Example("b", "2+2?", "#### 4")]
   prompts = encode_prompts(["one plus one", "two plus two"], examples, [0, 0], tok, 64)
 
-  def sample(step):
-    rollouts = Rollouts(config, model, tok, scorer)
-    stats = {}
-    return rollouts, rollouts.sample_round(prompts, step, 0, stats), stats
-
-  rollouts, groups, stats = sample(step=3)
+  rollouts = Rollouts(config, model, tok, scorer)  # one engine: compiled once
+  stats = {}
+  groups = rollouts.sample_round(prompts, 3, 0, stats)
   assert [len(g) for g in groups] == [4, 4]
   assert all(s.text == tok.decode(s.tokens) and s.reward in (0.0, 1.0) for g in groups for s in g)
   assert len(rollouts.store) == 2  # each finished group recorded for the prompt's next visit
   assert stats["tokens"] == sum(len(s.tokens) for g in groups for s in g)
-  # Request ids depend on (step, round, prompt, sample) only: the same step samples the same.
-  _, again, _ = sample(step=3)
-  _, other, _ = sample(step=4)
+  # Request ids depend on (step, round, prompt, sample) only: the same step samples the same
+  # tokens (now with the first call's responses in the history to draft from), another does not.
+  again = rollouts.sample_round(prompts, 3, 0, {})
+  other = rollouts.sample_round(prompts, 4, 0, {})
   flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
   assert flat(again) == flat(groups) and flat(other) != flat(groups)
 
