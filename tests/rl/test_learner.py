@@ -68,6 +68,7 @@ def test_micro_batches_average_to_the_full_batch_gradient():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles the update and the log-prob step (~1 min on 2 shared cores)
 def test_second_epoch_sees_kl_to_the_reference():
   learner = _learner("--ppo_epochs=2", "--kl_beta=0.1")
   m = learner.train_on(_groups([[1.0, 0.0], [0.0, 1.0]]))
