@@ -1,8 +1,10 @@
-"""`python -m rhyme_jax.main`: bad input ends with a one-line error and writes nothing.
+"""`python -m rhyme_jax.main`: every door a user can walk into ends in one line and writes nothing.
 
-Bad flags, a malformed / incomplete / empty dataset and a run directory written by another
-config each stop the program before the run directory is created or changed. (The training
-path itself is covered by tests/rl/test_trainer.py.)
+Bad or unparsable flags (exit 2), a missing / truncated / malformed model, a malformed,
+incomplete, empty or non-UTF-8 dataset and a run directory written by another config (exit 1)
+each stop the program with `error: ...` naming the flag, file, line or tensor, before the run
+directory is created or changed; `--help`, `--only_check_args` and `--dry_run` check without
+writing. (Training, SIGTERM and checkpoint fallback: tests/rl/test_trainer.py.)
 """
 
 from __future__ import annotations
