@@ -49,14 +49,26 @@ def tiny_flags(model_dir, run_dir, *extra):
           "--learning_rate=0.01", "--temperature=1.0", "--seed=3", *extra]
 
 
+def entry_env(**extra):
+  """The child imports this checkout's package (not an installed copy) and train_entry."""
+  path = [REPO, os.path.dirname(ENTRY)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra)
+
+
 def run_entry(args, env_extra=None, **kw):
-  env = dict(os.environ, **(env_extra or {}))
+  env = entry_env(**(env_extra or {}))
   return subprocess.run([sys.executable, ENTRY, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, **kw)
 
 
 def comparable(records):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+def test_children_import_this_checkout():
+  proc = subprocess.run([sys.executable, "-c", "import rhyme_jax; print(rhyme_jax.__file__)"],
+                        cwd="/", env=entry_env(), capture_output=True, text=True, timeout=60)
+  assert proc.stdout.strip() == os.path.join(REPO, "rhyme_jax", "__init__.py"), proc.stderr
 
 
 def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
@@ -109,8 +121,7 @@ def test_eight_device_mesh(tiny_model, tmp_path):
   code = ("import jax; assert jax.device_count() == 8, jax.devices(); "
           "import runpy, sys; sys.argv = [sys.argv[0]] + sys.argv[1:]; "
           f"runpy.run_path({ENTRY!r}, run_name='__main__')")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(ENTRY))
+  env = entry_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -134,7 +145,8 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
 
   run_dir = tmp_path / "killed"
   args = tiny_flags(tiny_model, run_dir, *steps)
-  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, env=entry_env(),
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 600
@@ -173,7 +185,8 @@ def test_sigterm_saves_exits_cleanly_and_resume_repeats_nothing(tiny_model, tmp_
   run_dir = tmp_path / "run"
   # No periodic checkpoint before the end: the only one at SIGTERM is the one it makes.
   args = tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=100")
-  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, stdout=subprocess.PIPE,
+  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, env=entry_env(),
+                          stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 600
