@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINT_SUBDIR = "checkpoints"
+CORRUPT_SUBDIR = "corrupt_checkpoints"  # unreadable checkpoints moved aside on restore
 _ARRAY_MARKER = "__ndarray__"
 _EMPTY_ARRAY_MARKER = "__empty_ndarray__"
 _HOST_FORMAT_VERSION = 1
@@ -270,8 +271,10 @@ class RunCheckpointer:
     """The newest checkpoint that restores whole, or None when there is none.
 
     A checkpoint that fails to restore (truncated or corrupt files, garbage host metadata)
-    is reported through `warn(message)` and the next older one is tried; when every one
-    fails, raises `CheckpointError` naming the directory and the newest failure.
+    is moved aside to `RUN_DIR/corrupt_checkpoints/<step>` (kept for inspection; the run
+    saves that step afresh when it gets there), reported through `warn(message)`, and the
+    next older one is tried. When every one fails, raises `CheckpointError` naming the
+    directory and the newest failure.
     """
     steps = self.all_steps()
     first_error = None
@@ -281,12 +284,24 @@ class RunCheckpointer:
                             abstract_opt_state=abstract_opt_state)
       except CheckpointError as e:
         first_error = first_error or e
+        moved = self._quarantine(step)
         if warn is not None:
-          warn(f"warning: checkpoint step {step} is unreadable, trying an older one: {e}")
+          warn(f"warning: checkpoint step {step} is unreadable (moved to {moved}), trying an "
+               f"older one: {e}")
     if first_error is not None:
       raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps}; "
                             f"newest failure: {first_error}")
     return None
+
+  def _quarantine(self, step: int) -> pathlib.Path:
+    target = self.run_dir / CORRUPT_SUBDIR / str(step)
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      if target.exists():  # an earlier quarantine of the same step: keep the newest
+        target = target.with_name(f"{step}.{len(list(target.parent.iterdir()))}")
+      os.replace(self.directory / str(step), target)
+    self._manager.reload()
+    return target
 
   def wait(self) -> None:
     """Blocks until any in-flight async save is committed."""

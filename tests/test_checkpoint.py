@@ -256,10 +256,15 @@ def test_truncated_latest_checkpoint_falls_back_with_a_warning(tmp_path, which):
   warnings = []
   with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
     st = cp.restore_latest(abstract_params=params(0), warn=warnings.append)
-  assert st.step == 2
-  _assert_tree_equal(st.params, params(2))
-  assert len(warnings) == 1 and "checkpoint step 3 is unreadable" in warnings[0]
-  assert str(ckdir / "3") in warnings[0] and "\n" not in warnings[0]
+    assert st.step == 2
+    _assert_tree_equal(st.params, params(2))
+    assert len(warnings) == 1 and "checkpoint step 3 is unreadable" in warnings[0]
+    assert str(ckdir / "3") in warnings[0] and "\n" not in warnings[0]
+    # Moved aside, so the rerun of step 3 saves afresh instead of skipping an existing step.
+    assert cp.all_steps() == [1, 2] and (tmp_path / "corrupt_checkpoints" / "3").is_dir()
+    assert cp.save(3, params=params(3), host_state={}, force=True)
+    cp.wait()
+    _assert_tree_equal(cp.restore(3, abstract_params=params(0)).params, params(3))
 
 
 def test_garbage_host_metadata_names_the_file(tmp_path):

@@ -221,8 +221,10 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(tiny_model, tmp_
   resumed = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=1",
                                  "--keep_checkpoints=3"), timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "warning: checkpoint step 3 is unreadable, trying an older one" in resumed.stderr
+  assert "warning: checkpoint step 3 is unreadable (moved to " in resumed.stderr
   assert "at step 2" in resumed.stderr
+  assert (run_dir / "corrupt_checkpoints" / "3").is_dir()  # kept aside; step 3 saved afresh
+  assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 3, 4]
   got = read_metrics(run_dir / "metrics.jsonl")
   assert [r["step"] for r in got] == [1, 2, 3, 4]  # step 3 redone from step 2's state
   assert comparable(got) == comparable(reference_run)
