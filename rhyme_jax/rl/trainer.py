@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging as absl_logging
 
 from rhyme_jax import checkpoint as ckpt_lib
@@ -239,6 +240,17 @@ class Trainer:
     print(f"received signal {signum}: saving a checkpoint after step {self.step + 1} and "
           "stopping", file=sys.stderr)
 
+  def _stopping(self) -> bool:
+    """Whether a stop signal arrived; with several processes, whether any got one (all hosts
+    must leave at the same step boundary or the next collective hangs)."""
+    stop = self._stop_signal is not None
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
+      if stop and self._stop_signal is None:
+        self._stop_signal = signal.SIGTERM
+    return stop
+
   def run(self) -> list[dict[str, Any]]:
     c = self.config
     start = self.step
@@ -251,16 +263,19 @@ class Trainer:
     previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
     history = []
     try:
-      while self.step < c.run.num_steps and self._stop_signal is None:
+      while self.step < c.run.num_steps:
         self.step += 1
         m = self.train_step()
         if c.run.eval_every and self.step % c.run.eval_every == 0:
           m.update(self.evaluate())
         writer.write(self.step, m)
         history.append(m)
-        self.save(force=self.step == c.run.num_steps or self._stop_signal is not None)
+        stopping = self._stopping()
+        self.save(force=self.step == c.run.num_steps or stopping)
         if self.step % c.run.log_every == 0 or self.step == c.run.num_steps:
           progress.update(self.step, m)
+        if stopping:
+          break
     finally:
       if main_thread:
         signal.signal(signal.SIGTERM, previous)
