@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (real GGUF weights) answers the same GSM8K train prompts (chat template,
 `gsm8k` prompt template) for `--epochs` epochs, G = `--group_size` samples each. Between epochs
 the policy changes as in RL training (`--policy_change=grpo`, the default): `--grpo_steps`
-GRPO updates of the real trainer (`rl.trainer.Trainer.train_on`, gsm8k reward) on the epoch's
+GRPO updates of the real learner (`rl.learner.Learner.train_on`, gsm8k reward) on the epoch's
 own samples; or (`--policy_change=noise`) every weight tensor gets Gaussian noise of `--noise`
 times its RMS. Per temperature and epoch, the same requests run through:
 
@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -54,7 +53,11 @@ from rhyme_jax.history.store import HistoryStore, prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.config import parse_flags  # noqa: E402
-from rhyme_jax.rl.trainer import Prompt, Sample, Trainer  # noqa: E402
+from rhyme_jax.rl.learner import Learner  # noqa: E402
+from rhyme_jax.rl.rewards import get_reward_fn  # noqa: E402
+from rhyme_jax.rl.rewards.scoring import Scorer  # noqa: E402
+from rhyme_jax.rl.samples import Sample, prompt_of  # noqa: E402
+from rhyme_jax import parallel  # noqa: E402
 from rhyme_jax.rollout.engine import (  # noqa: E402
     DRAFT_MODES, TRACE_COUNTS, EngineConfig, Request, RolloutEngine)
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
@@ -147,36 +150,41 @@ def gsm8k_prompts(tok, num, offset):
   return chosen, [tok.encode(render_prompt(e, render, template)) for e in chosen]
 
 
-def make_trainer(args, dtype, temperature, run_dir):
-  """The real GRPO trainer (gsm8k reward, no speculation of its own) for policy updates."""
-  return Trainer(parse_flags([
+def make_learner(args, dtype, temperature, tok):
+  """The trainer's own learner and scorer (gsm8k reward, soft overlong penalty) for GRPO updates."""
+  config = parse_flags([
       f"--model={args.model}", "--task=gsm8k", f"--reward={args.reward}",
       f"--param_dtype={dtype}",
       f"--group_size={args.group_size}", f"--prompts_per_step={args.num_prompts}",
       f"--learning_rate={args.learning_rate}", f"--temperature={temperature}",
       f"--max_new_tokens={args.max_new_tokens}", "--max_prompt_len=512", "--spec=none",
       f"--overlong_buffer={max(1, args.max_new_tokens // 4)}",
-      "--eval_every=0", f"--seed={args.seed}", f"--run_dir={run_dir}"]))
+      "--eval_every=0", f"--seed={args.seed}", "--run_dir=unused"])  # the learner writes nothing
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  model, model_config = load_model(args.model, param_dtype=dtype, mesh=mesh)
+  scorer = Scorer(tok, get_reward_fn(config.reward_name), config.rollout.max_new_tokens,
+                  config.rl.overlong_buffer)
+  return Learner(config, model, mesh, model_config), scorer
 
 
-def grpo_update(trainer, examples, prompt_ids, reqs, results, epoch, steps):
+def grpo_update(learner, scorer, examples, prompt_ids, reqs, results, epoch, steps):
   """`steps` GRPO updates on one epoch's samples; returns the updated model and metrics."""
   g = len(reqs) // len(prompt_ids)
   groups = []
   for i, (ex, ids) in enumerate(zip(examples, prompt_ids)):
-    prompt = Prompt(ex, "", np.asarray(ids, np.int32), prompt_key(ids), epoch)
+    prompt = prompt_of(ex, ids, epoch)
     group = [Sample(prompt, r.tokens, r.logprobs, r.finish_reason)
              for r in results[i * g:(i + 1) * g]]
-    trainer.score_group(group)
+    scorer.score_group(group)
     groups.append(group)
-  before = jax.tree.map(jnp.copy, trainer.params)  # the update donates the params
+  before = jax.tree.map(jnp.copy, learner.params)  # the update donates the params
   for _ in range(steps):
-    trainer.train_on(groups)
+    learner.train_on(groups)
   sq = lambda tree: sum(float(jnp.sum(jnp.square(x.astype(jnp.float32))))
                         for x in jax.tree.leaves(tree))
-  moved = np.sqrt(sq(jax.tree.map(lambda a, b: a - b, trainer.params, before)) / sq(before))
+  moved = np.sqrt(sq(jax.tree.map(lambda a, b: a - b, learner.params, before)) / sq(before))
   rewards = np.array([s.reward for grp in groups for s in grp])
-  return nnx.merge(trainer.graphdef, trainer.params), dict(
+  return learner.model(), dict(
       reward=float(rewards.mean()), reward_std=float(rewards.std()), moved=float(moved))
 
 
@@ -254,10 +262,10 @@ def main(argv=None):
     params = SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens)
     store = HistoryStore(epochs_kept=1)
     model = base
-    trainer = None
+    learner = scorer = None
     if args.policy_change == "grpo":
-      trainer = make_trainer(args, dtype, temp, tempfile.mkdtemp(prefix="histospec_grpo_"))
-      model = nnx.merge(trainer.graphdef, trainer.params)
+      learner, scorer = make_learner(args, dtype, temp, tok)
+      model = learner.model()
     t0 = time.perf_counter()
     RolloutEngine(model, cfg, None).warmup(filters=False)  # every shape the engines use
     print(f"[histospec] warm-up (compilation) {time.perf_counter() - t0:.1f}s", flush=True)
@@ -299,9 +307,9 @@ def main(argv=None):
         by_prompt.setdefault(req.prompt_key, []).append(res.tokens)
       for key, responses in by_prompt.items():
         store.add_group(key, epoch, responses)
-      if trainer is not None and epoch + 1 < args.epochs:
+      if learner is not None and epoch + 1 < args.epochs:
         t0 = time.perf_counter()
-        model, m = grpo_update(trainer, examples, prompt_ids, reqs, plain_results, epoch,
+        model, m = grpo_update(learner, scorer, examples, prompt_ids, reqs, plain_results, epoch,
                                args.grpo_steps)
         print(f"[histospec] T={temp} after epoch {epoch}: {args.grpo_steps} GRPO step(s), "
               f"reward {m['reward']:.3f} (std {m['reward_std']:.3f}), relative parameter "

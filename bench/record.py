@@ -95,7 +95,7 @@ def main(argv=None):
   prompts = gsm8k_prompts(tok, args.num_prompts, args.prompt_offset)
   keys = [prompt_key(p) for p in prompts]
   cfg = EngineConfig(max_len=max(map(len, prompts)) + args.max_new_tokens, buckets=args.buckets,
-                     budgets=(0,), eos_ids=tuple(tok.stop_ids), seed=args.seed)
+                     max_draft=0, eos_ids=tuple(tok.stop_ids), seed=args.seed)
   t0 = time.perf_counter()
   RolloutEngine(model, cfg, None).warmup()
   print(f"[record] {common.device_description()}; warm-up {time.perf_counter() - t0:.0f}s",

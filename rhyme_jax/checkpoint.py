@@ -1,4 +1,4 @@
-"""Whole-run checkpoints (orbax) and the run-directory config fingerprint.
+"""Whole-run checkpoints (orbax); the run directory's config fingerprint is `run_config`.
 
 A checkpoint at step S holds everything needed to continue a run as if it had
 never stopped:
@@ -13,13 +13,16 @@ never stopped:
               written as binary tensorstore chunks rather than as JSON lists
               or base64 text. Zero-size arrays stay inline (shape + dtype).
 
-Layout: `RUN_DIR/checkpoints/<step>/{params,opt_state,host,host_arrays}` and
-`RUN_DIR/run_config.json`.
+Layout: `RUN_DIR/checkpoints/<step>/{params,opt_state,host,host_arrays}`.
 
 Atomicity: orbax writes each step into `<step>.orbax-checkpoint-tmp` and
 renames it when complete, so a process killed mid-save leaves the previous
 step as the latest usable one; leftover tmp directories are ignored and
 removed the next time a `RunCheckpointer` opens the directory.
+
+Recovery: `restore_latest` restores the newest checkpoint that reads back whole; a corrupt
+or truncated one (disk full, a copy cut short) is reported with a warning naming it and the
+next older one is tried. Unreadable host metadata is a `CheckpointError` naming its file.
 
 Multi-host note: JSON host state is written by the primary process only;
 per-host iterator state must be gathered into it by the caller.
@@ -28,19 +31,16 @@ per-host iterator state must be gathered into it by the caller.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import hashlib
-import json
 import os
 import pathlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINT_SUBDIR = "checkpoints"
-RUN_CONFIG_FILE = "run_config.json"
+CORRUPT_SUBDIR = "corrupt_checkpoints"  # unreadable checkpoints moved aside on restore
 _ARRAY_MARKER = "__ndarray__"
 _EMPTY_ARRAY_MARKER = "__empty_ndarray__"
 _HOST_FORMAT_VERSION = 1
@@ -116,6 +116,16 @@ def _has_leaves(tree: Any) -> bool:
 
 # ---------------------------------------------------------------------------
 # Checkpointer
+
+
+class CheckpointError(ValueError):
+  """A checkpoint on disk cannot be read back; the message names its directory or file."""
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split()) or type(e).__name__
+  text = text.split(" See full TensorStore details")[0]
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclasses.dataclass
@@ -218,12 +228,19 @@ class RunCheckpointer:
       raise FileNotFoundError(
           f"no checkpoint for step {step} under {self.directory}; "
           f"available steps: {self.all_steps()}")
-    host = self._manager.restore(
-        step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"]
-    if host.get("format_version") != _HOST_FORMAT_VERSION:
-      raise ValueError(
-          f"{self.directory / str(step) / 'host'}: unsupported format_version "
-          f"{host.get('format_version')!r} (expected {_HOST_FORMAT_VERSION})")
+    host_dir = self.directory / str(step) / "host"
+    try:
+      host = self._manager.restore(
+          step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"]
+    except (ValueError, OSError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{host_dir}: unreadable host metadata ({_one_line(e)})") from e
+    if not isinstance(host, dict) or host.get("format_version") != _HOST_FORMAT_VERSION:
+      version = host.get("format_version") if isinstance(host, dict) else None
+      raise CheckpointError(f"{host_dir}: unsupported format_version {version!r} (expected "
+                            f"{_HOST_FORMAT_VERSION})")
+    for key in ("has_opt_state", "num_host_arrays", "host_state"):
+      if key not in host:
+        raise CheckpointError(f"{host_dir}: host metadata lacks {key!r}")
     items = {"params": ocp.args.StandardRestore(
         None if abstract_params is None else _to_abstract(abstract_params))}
     if host["has_opt_state"]:
@@ -231,7 +248,16 @@ class RunCheckpointer:
           None if abstract_opt_state is None else _to_abstract(abstract_opt_state))
     if host["num_host_arrays"]:
       items["host_arrays"] = ocp.args.StandardRestore()
-    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Unreadable data: the usual errors, or the bare `Exception` orbax raises for a
+      # truncated tensorstore chunk. Anything more specific is a bug: re-raised.
+      if type(e) is not Exception and not isinstance(e, (ValueError, OSError, KeyError,
+                                                          TypeError)):
+        raise
+      raise CheckpointError(f"{self.directory / str(step)}: cannot restore arrays "
+                            f"({_one_line(e)})") from e
     arrays = restored["host_arrays"] if host["num_host_arrays"] else {}
     return RunState(
         step=step,
@@ -239,6 +265,43 @@ class RunCheckpointer:
         opt_state=restored["opt_state"] if host["has_opt_state"] else None,
         host_state=_decode_host(host["host_state"], arrays),
     )
+
+  def restore_latest(self, *, abstract_params: Any = None, abstract_opt_state: Any = None,
+                     warn=None) -> RunState | None:
+    """The newest checkpoint that restores whole, or None when there is none.
+
+    A checkpoint that fails to restore (truncated or corrupt files, garbage host metadata)
+    is moved aside to `RUN_DIR/corrupt_checkpoints/<step>` (kept for inspection; the run
+    saves that step afresh when it gets there), reported through `warn(message)`, and the
+    next older one is tried. When every one fails, raises `CheckpointError` naming the
+    directory and the newest failure.
+    """
+    steps = self.all_steps()
+    first_error = None
+    for step in reversed(steps):
+      try:
+        return self.restore(step, abstract_params=abstract_params,
+                            abstract_opt_state=abstract_opt_state)
+      except CheckpointError as e:
+        first_error = first_error or e
+        moved = self._quarantine(step)
+        if warn is not None:
+          warn(f"warning: checkpoint step {step} is unreadable (moved to {moved}), trying an "
+               f"older one: {e}")
+    if first_error is not None:
+      raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps}; "
+                            f"newest failure: {first_error}")
+    return None
+
+  def _quarantine(self, step: int) -> pathlib.Path:
+    target = self.run_dir / CORRUPT_SUBDIR / str(step)
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      if target.exists():  # an earlier quarantine of the same step: keep the newest
+        target = target.with_name(f"{step}.{len(list(target.parent.iterdir()))}")
+      os.replace(self.directory / str(step), target)
+    self._manager.reload()
+    return target
 
   def wait(self) -> None:
     """Blocks until any in-flight async save is committed."""
@@ -253,143 +316,3 @@ class RunCheckpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-# ---------------------------------------------------------------------------
-# Run config fingerprint
-
-
-class RunConfigMismatchError(ValueError):
-  """The run directory was created by a different configuration."""
-
-
-def _normalize(value: Any, path: str) -> Any:
-  """Canonical JSON form of a config value (dataclasses -> dicts, etc.)."""
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-  if isinstance(value, enum.Enum):
-    value = value.value
-  if isinstance(value, os.PathLike):
-    return os.fspath(value)
-  if isinstance(value, np.generic):
-    return value.item()
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, Mapping):
-    out = {}
-    for k, v in value.items():
-      if not isinstance(k, str):
-        raise TypeError(f"config{path}: key {k!r} is not a str")
-      out[k] = _normalize(v, f"{path}.{k}" if path else k)
-    return out
-  if isinstance(value, (list, tuple)):
-    return [_normalize(v, f"{path}[{i}]") for i, v in enumerate(value)]
-  raise TypeError(f"config field {path or '<root>'!r}: value of type "
-                  f"{type(value).__name__} is not JSON-able")
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-  """{'a': {'b': 1}} -> {'a.b': 1}; lists stay as leaf values."""
-  if isinstance(value, dict) and value:
-    out = {}
-    for k, v in value.items():
-      out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-    return out
-  return {prefix: value}
-
-
-def config_fingerprint(config: Any) -> str:
-  """sha256 of the canonical JSON form of `config`."""
-  canon = json.dumps(_normalize(config, ""), sort_keys=True,
-                     separators=(",", ":"))
-  return hashlib.sha256(canon.encode()).hexdigest()
-
-
-def _config_path(run_dir: str | os.PathLike) -> pathlib.Path:
-  return pathlib.Path(run_dir) / RUN_CONFIG_FILE
-
-
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-  tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-  tmp.write_text(text)
-  os.replace(tmp, path)
-
-
-def write_run_config(run_dir: str | os.PathLike, config: Any, *,
-                     overwrite: bool = False) -> pathlib.Path:
-  """Writes `run_dir/run_config.json` (config + fingerprint), atomically.
-
-  Refuses to replace an existing file unless `overwrite=True`.
-  """
-  path = _config_path(run_dir)
-  if path.exists() and not overwrite:
-    raise FileExistsError(f"{path} already exists; use check_run_config to "
-                          "compare against it")
-  normalized = _normalize(config, "")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  _write_atomic(path, json.dumps(
-      {"fingerprint": config_fingerprint(normalized), "config": normalized},
-      indent=2, sort_keys=True) + "\n")
-  return path
-
-
-def read_run_config(run_dir: str | os.PathLike) -> dict:
-  path = _config_path(run_dir)
-  try:
-    data = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-  if not isinstance(data, dict) or "config" not in data:
-    raise ValueError(f"{path}: missing 'config' entry")
-  return data["config"]
-
-
-def _allowed(key: str, allow_changed: Iterable[str]) -> bool:
-  return any(key == a or key.startswith(a + ".") for a in allow_changed)
-
-
-def check_run_config(run_dir: str | os.PathLike, config: Any, *,
-                     allow_changed: Iterable[str] = ()) -> list[str]:
-  """Compares `config` with the one stored in `run_dir`; never writes.
-
-  Fields are compared by dotted name ('rollout.temperature'). Names (or
-  dotted prefixes) in `allow_changed` may differ, e.g. total steps or logging
-  frequency. Returns the allowed fields that changed; raises
-  `RunConfigMismatchError` naming every other differing field.
-  """
-  allow_changed = tuple(allow_changed)
-  stored = _flatten(read_run_config(run_dir))
-  new = _flatten(_normalize(config, ""))
-  missing = object()
-  diffs, allowed = [], []
-  for key in sorted(set(stored) | set(new)):
-    a, b = stored.get(key, missing), new.get(key, missing)
-    if a == b and type(a) is type(b):
-      continue
-    if _allowed(key, allow_changed):
-      allowed.append(key)
-      continue
-    fmt = lambda v: "<absent>" if v is missing else json.dumps(v)
-    diffs.append(f"  {key}: run dir has {fmt(a)}, new config has {fmt(b)}")
-  if diffs:
-    raise RunConfigMismatchError(
-        f"{_config_path(run_dir)} was written by a different config; "
-        f"differing fields:\n" + "\n".join(diffs) +
-        "\nUse a new run directory, or allow the fields to change on resume.")
-  return allowed
-
-
-def ensure_run_config(run_dir: str | os.PathLike, config: Any, *,
-                      allow_changed: Iterable[str] = ()) -> list[str]:
-  """Writes the config for a new run dir, or checks it for an existing one.
-
-  When only allowed fields changed the stored config is updated to the new
-  one (after the check passed); returns the changed allowed fields.
-  """
-  if not _config_path(run_dir).exists():
-    write_run_config(run_dir, config)
-    return []
-  changed = check_run_config(run_dir, config, allow_changed=allow_changed)
-  if changed:
-    write_run_config(run_dir, config, overwrite=True)
-  return changed

@@ -23,13 +23,17 @@ from typing import Sequence
 
 from absl import flags
 
+# Choice lists. This module imports nothing from the package (it sits at the bottom of the
+# import graph and loads no JAX), so each list that mirrors a registry or constant elsewhere is
+# checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
 DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.engine.DRAFT_MODES
-TASKS = ("arithmetic", "gsm8k")
+TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGES = ("grpo", "rloo")
+LOSSES = ("ppo_clip",)  # rl.losses registry
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")  # rl.losses.AGGREGATIONS
+KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.losses.KL_ESTIMATORS
+ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory (everything else must match).
@@ -69,6 +73,7 @@ class RLOptions:
   warmup_steps: int
   weight_decay: float
   max_grad_norm: float
+  loss: str  # a registered policy loss (rl.losses)
   clip_eps_low: float
   clip_eps_high: float
   kl_beta: float
@@ -93,7 +98,7 @@ class DataOptions:
   task: str  # 'arithmetic' (synthetic) or 'gsm8k': prompt template and default reward
   dataset: str  # '' = the task's own train data; else a .jsonl / .parquet path
   eval_dataset: str  # '' = the task's own test data; else a path
-  data_dir: str  # GSM8K directory ('' = ../shared/datasets/gsm8k or $RHYME_GSM8K_DIR)
+  data_dir: str  # GSM8K directory ('' = $RHYME_JAX_GSM8K_DIR or ../shared/datasets/gsm8k)
   train_size: int  # 0 = all (arithmetic: how many problems to generate)
   reward: str  # '' = the task's default
 
@@ -166,6 +171,7 @@ _FLAGS = {
         ("warmup_steps", 0, "Linear warm-up steps from 0 to the learning rate."),
         ("weight_decay", 0.0, "AdamW weight decay."),
         ("max_grad_norm", 1.0, "Global-norm gradient clipping (0 = off)."),
+        ("loss", "ppo_clip", f"Policy loss: {', '.join(LOSSES)}."),
         ("clip_eps_low", 0.2, "PPO ratio clip below: 1 - eps."),
         ("clip_eps_high", 0.28, "PPO ratio clip above: 1 + eps (DAPO clip-higher)."),
         ("kl_beta", 0.0, "KL penalty to the initial model (0 = no reference model)."),
@@ -188,7 +194,8 @@ _FLAGS = {
         ("dataset", "", "Training data: empty = the task's own; else a .jsonl/.parquet path "
          "with question/answer fields."),
         ("eval_dataset", "", "Evaluation data: empty = the task's test split; else a path."),
-        ("data_dir", "", "GSM8K directory (empty = the default location)."),
+        ("data_dir", "", "GSM8K directory with train.jsonl / test.jsonl (empty = "
+         "$RHYME_JAX_GSM8K_DIR if set, else ../shared/datasets/gsm8k next to the checkout)."),
         ("train_size", 0, "Use the first N training examples (0 = all; arithmetic: how many "
          "to generate, default 2000)."),
         ("reward", "", "Reward name, e.g. 'gsm8k+0.1*format' (empty = the task's default)."),
@@ -302,6 +309,7 @@ def validate(c: Config) -> None:
   _at_least("warmup_steps", rl.warmup_steps, 0)
   _at_least("weight_decay", rl.weight_decay, 0.0)
   _at_least("max_grad_norm", rl.max_grad_norm, 0.0)
+  _one_of("loss", rl.loss, LOSSES)
   if not 0.0 <= rl.clip_eps_low < 1.0:
     _fail("clip_eps_low", rl.clip_eps_low, "a number in [0, 1)")
   _at_least("clip_eps_high", rl.clip_eps_high, 0.0)

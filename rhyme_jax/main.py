@@ -1,10 +1,15 @@
-"""Command line entry point: flags -> Config -> `trainer.run(config)`.
+"""Command line entry point: flags -> Config -> checked inputs -> `Trainer(...).run()`.
 
   python -m rhyme_jax.main --flagfile=configs/quickstart.flags
+  python -m rhyme_jax.main --flagfile=configs/quickstart.flags --dry_run   # the plan, no run
+  python -m rhyme_jax.main --helpfull                                     # every flag
 
-A bad flag value, a malformed or empty dataset, or a run directory written by another config
-ends the program with a one-line error (exit status 2 for flags, 1 otherwise) before anything
-in the run directory is overwritten.
+Every error a user can cause ends in one line naming the flag, file, line or tensor at fault,
+with exit status 2 for usage (an unknown or unparsable flag, a bad value) and 1 for the rest
+(a missing / truncated / malformed model, dataset or checkpoint, a run directory written by
+another config). Nothing is written to the run directory before every input has been read
+and checked. SIGTERM (a preempted VM) saves a checkpoint at the next step boundary and exits 0;
+rerunning the same command resumes from it.
 """
 
 from __future__ import annotations
@@ -14,37 +19,93 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging
 
+from rhyme_jax import config as config_lib
 from rhyme_jax.config import ConfigError, config_from_flags, define_flags
 
 define_flags(flags.FLAGS)
+flags.adopt_module_key_flags(config_lib)  # `--help` lists the project's flags
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the flags, read the model and data "
+                             "headers, print the plan (mesh, buckets, memory) and exit; "
+                             "writes nothing.")
+
+USAGE_ERROR = 2
+INPUT_ERROR = 1
+
+
+def _fail(status: int, message: str):
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(status)
+
+
+def _one_line(e: Exception) -> str:
+  return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+  """Exceptions that mean "bad input" (each message names its file / field), not a bug."""
+  from rhyme_jax.checkpoint import CheckpointError
+  from rhyme_jax.data.datasets import DatasetError
+  from rhyme_jax.models.loading import ModelError
+  from rhyme_jax.run_config import RunConfigMismatchError
+  return (DatasetError, ModelError, CheckpointError, RunConfigMismatchError, FileNotFoundError)
+
+
+def _config():
+  try:
+    return config_from_flags(flags.FLAGS)
+  except ConfigError as e:
+    _fail(USAGE_ERROR, str(e))
+
+
+def _checked_inputs(config):
+  # Imported here so `--help` and flag errors do not pay for importing JAX.
+  from rhyme_jax.rl import trainer
+  try:
+    return trainer.check_inputs(config)
+  except ConfigError as e:
+    _fail(USAGE_ERROR, str(e))
+  except _input_errors() as e:
+    _fail(INPUT_ERROR, _one_line(e))
+
+
+def parse_flags(argv):
+  """absl's parser with this program's exit statuses: 2 for a usage error, 0 for --help."""
+  if any(a in ("-h", "-help", "--help", "--helpshort", "-?") for a in argv[1:]):
+    app.usage(shorthelp=True, writeto_stdout=True)
+    sys.exit(0)
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(USAGE_ERROR, f"{e} (see --help)")
+  if flags.FLAGS["only_check_args"].value:  # absl would exit 0 without looking at the values
+    _checked_inputs(_config())
+    print("flags and inputs are valid", file=sys.stderr)
+    sys.exit(0)
+  return rest
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _fail(USAGE_ERROR, f"unexpected arguments: {' '.join(argv[1:])}")
   # Library INFO chatter (orbax logs every file it writes) off; the progress line reports.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  try:
-    config = config_from_flags(flags.FLAGS)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  # Imported here so `--help` and flag errors do not pay for importing JAX.
-  from rhyme_jax.checkpoint import RunConfigMismatchError
-  from rhyme_jax.data.datasets import DatasetError
+  config = _config()
+  inputs = _checked_inputs(config)
   from rhyme_jax.rl import trainer
+  if _DRY_RUN.value:
+    print(trainer.describe_plan(config, inputs))
+    return
   try:
-    trainer.run(config)
+    t = trainer.Trainer(config, inputs)
+    t.run()
   except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except (DatasetError, RunConfigMismatchError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    _fail(USAGE_ERROR, str(e))
+  except _input_errors() as e:
+    _fail(INPUT_ERROR, _one_line(e))
 
 
 def run_main():
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tests for rhyme_jax.checkpoint: round trips, keep-last-N, atomicity, config."""
+"""Tests for rhyme_jax.checkpoint: round trips, keep-last-N, atomicity, corrupt-checkpoint fallback."""
 
 import json
 import os
@@ -14,6 +14,9 @@ import optax
 import pytest
 
 from rhyme_jax import checkpoint as ckpt
+
+# Subprocesses run in the checkout, so they import this copy of the package.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _params(seed=0):
@@ -173,7 +176,7 @@ _KILL_MID_SAVE = textwrap.dedent("""
 
 def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
   proc = subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, str(tmp_path)],
-                        capture_output=True, text=True, timeout=300)
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 17, proc.stderr[-2000:]
   ckdir = tmp_path / "checkpoints"
   assert (ckdir / "2.orbax-checkpoint-tmp").exists()
@@ -210,7 +213,7 @@ _SHARDED = textwrap.dedent("""
 
 def test_sharded_restore_uses_target_sharding(tmp_path):
   proc = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path)],
-                        capture_output=True, text=True, timeout=300)
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -229,80 +232,63 @@ def test_nnx_state_round_trip(tmp_path):
                                 np.asarray(model.kernel[...]))
 
 
-# ---------------------------------------------------------------------------
-# Run config
+def _big_params(seed):
+  """Large enough (1 MiB) that orbax writes the array as its own data chunk."""
+  return {"w": jax.random.normal(jax.random.key(seed), (4096, 64), jnp.float32)}
 
 
-_CONFIG = {
-    "model": {"name": "smollm2-135m", "dtype": "float32"},
-    "rollout": {"temperature": 0.7, "max_new_tokens": 128},
-    "train": {"total_steps": 100, "log_every": 10, "lr": 1e-6},
-    "seed": 0,
-}
+def _three_steps(tmp_path, params=_params):
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3, async_save=False) as cp:
+    for step in (1, 2, 3):
+      cp.save(step, params=params(step), host_state=_host_state(step))
+  return tmp_path / "checkpoints"
 
 
-def _with(config, **dotted):
-  out = json.loads(json.dumps(config))
-  for key, value in dotted.items():
-    node = out
-    *parents, leaf = key.split("__")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return out
+@pytest.mark.parametrize("which", ["all", "chunks"])
+def test_truncated_latest_checkpoint_falls_back_with_a_warning(tmp_path, which):
+  params = _params if which == "all" else _big_params
+  ckdir = _three_steps(tmp_path, params)
+  data = [p for p in (ckdir / "3" / "params").rglob("*") if p.is_file() and p.stat().st_size]
+  if which == "chunks":  # only the largest array chunk cut short: the metadata still reads
+    data = [max(data, key=lambda p: p.stat().st_size)]
+  for p in data:  # cut short, as a copy interrupted half-way leaves it
+    os.truncate(p, p.stat().st_size // 2)
+  warnings = []
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    st = cp.restore_latest(abstract_params=params(0), warn=warnings.append)
+    assert st.step == 2
+    _assert_tree_equal(st.params, params(2))
+    assert len(warnings) == 1 and "checkpoint step 3 is unreadable" in warnings[0]
+    assert str(ckdir / "3") in warnings[0] and "\n" not in warnings[0]
+    # Moved aside, so the rerun of step 3 saves afresh instead of skipping an existing step.
+    assert cp.all_steps() == [1, 2] and (tmp_path / "corrupt_checkpoints" / "3").is_dir()
+    assert cp.save(3, params=params(3), host_state={}, force=True)
+    cp.wait()
+    _assert_tree_equal(cp.restore(3, abstract_params=params(0)).params, params(3))
 
 
-def test_run_config_write_check_and_allow_list(tmp_path):
-  path = ckpt.write_run_config(tmp_path, _CONFIG)
-  assert json.loads(path.read_text())["fingerprint"] == ckpt.config_fingerprint(_CONFIG)
-  assert ckpt.check_run_config(tmp_path, _CONFIG) == []
-  changed = _with(_CONFIG, train__total_steps=200, train__log_every=5)
-  assert ckpt.check_run_config(
-      tmp_path, changed, allow_changed=["train.total_steps", "train.log_every"]
-  ) == ["train.log_every", "train.total_steps"]
-  with pytest.raises(FileExistsError, match="run_config.json"):
-    ckpt.write_run_config(tmp_path, changed)
+def test_garbage_host_metadata_names_the_file(tmp_path):
+  ckdir = _three_steps(tmp_path)
+  for p in (ckdir / "3" / "host").rglob("*"):
+    if p.is_file():
+      p.write_text("garbage{{")
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoints/3/host: unreadable host metadata"):
+      cp.restore(3)
+    warnings = []
+    assert cp.restore_latest(warn=warnings.append).step == 2
+    assert "checkpoints/3/host" in warnings[0]
 
 
-def test_mismatched_config_names_fields_and_writes_nothing(tmp_path):
-  ckpt.write_run_config(tmp_path, _CONFIG)
-  before = (tmp_path / "run_config.json").read_bytes()
-  other = _with(_CONFIG, rollout__temperature=1.0, train__total_steps=300)
-  other["model"]["extra"] = 1
-  with pytest.raises(ckpt.RunConfigMismatchError) as err:
-    ckpt.ensure_run_config(tmp_path, other, allow_changed=["train.total_steps"])
-  msg = str(err.value)
-  assert "rollout.temperature: run dir has 0.7, new config has 1.0" in msg
-  assert "model.extra: run dir has <absent>, new config has 1" in msg
-  assert "total_steps" not in msg
-  assert str(tmp_path / "run_config.json") in msg
-  assert (tmp_path / "run_config.json").read_bytes() == before
-  assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
-
-
-def test_ensure_run_config_creates_then_updates_allowed(tmp_path):
-  run = tmp_path / "new_run"
-  assert ckpt.ensure_run_config(run, _CONFIG) == []
-  assert ckpt.read_run_config(run) == _CONFIG
-  changed = _with(_CONFIG, train__total_steps=500)
-  assert ckpt.ensure_run_config(run, changed, allow_changed=["train"]) == [
-      "train.total_steps"]
-  assert ckpt.read_run_config(run)["train"]["total_steps"] == 500
-  # Type changes count as changes (1 vs True).
-  with pytest.raises(ckpt.RunConfigMismatchError, match="seed"):
-    ckpt.check_run_config(run, _with(changed, seed=False))
-
-
-def test_dataclass_config_and_non_json_field(tmp_path):
-  import dataclasses
-
-  @dataclasses.dataclass(frozen=True)
-  class Cfg:
-    lr: float = 1e-3
-    out: pathlib.Path = pathlib.Path("/tmp/x")
-    fn: object = None
-
-  ckpt.write_run_config(tmp_path, Cfg())
-  assert ckpt.read_run_config(tmp_path) == {"lr": 1e-3, "out": "/tmp/x", "fn": None}
-  with pytest.raises(TypeError, match="'fn'"):
-    ckpt.check_run_config(tmp_path, Cfg(fn=object()))
+def test_no_readable_checkpoint_is_one_error_naming_the_directory(tmp_path):
+  ckdir = _three_steps(tmp_path)
+  for step in (1, 2, 3):
+    for p in (ckdir / str(step) / "host").rglob("*"):
+      if p.is_file():
+        p.write_text("[")
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    with pytest.raises(ckpt.CheckpointError, match=r"no readable checkpoint among steps "
+                       r"\[1, 2, 3\]; newest failure: .*checkpoints/3/host"):
+      cp.restore_latest()
+  with ckpt.RunCheckpointer(tmp_path / "empty") as cp:
+    assert cp.restore_latest() is None

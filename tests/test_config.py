@@ -102,3 +102,26 @@ def test_draft_modes_match_the_engine():
   from rhyme_jax import config as config_lib
   from rhyme_jax.rollout import engine
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
+
+
+def test_choice_lists_match_their_sources():
+  """config.py imports nothing from the package, so each mirrored list is checked here."""
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.data.prompts import PROMPT_TEMPLATES
+  from rhyme_jax.rl import advantages, losses
+  from rhyme_jax.rl.rewards import available_rewards
+  assert set(config_lib.LOSSES) == set(losses.available_losses())
+  assert set(config_lib.ADVANTAGES) == set(advantages.available_advantages())
+  assert set(config_lib.TASKS) <= set(PROMPT_TEMPLATES)  # every task has its template
+  assert losses.AGGREGATIONS is config_lib.AGGREGATIONS  # one object: the losses import it
+  assert losses.KL_ESTIMATORS is config_lib.KL_ESTIMATORS
+  for task, reward in config_lib.TASK_REWARDS.items():
+    assert task in config_lib.TASKS
+    for term in reward.split("+"):
+      assert term.split("*")[-1] in available_rewards(), (task, reward)
+
+
+def test_loss_flag_selects_a_registered_loss():
+  assert parse_flags(["--run_dir=r"]).rl.loss == "ppo_clip"
+  with pytest.raises(ConfigError, match=r"--loss=sft: expected one of ppo_clip"):
+    parse_flags(["--run_dir=r", "--loss=sft"])

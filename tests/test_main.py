@@ -1,8 +1,10 @@
-"""`python -m rhyme_jax.main`: bad input ends with a one-line error and writes nothing.
+"""`python -m rhyme_jax.main`: every door a user can walk into ends in one line and writes nothing.
 
-Bad flags, a malformed / incomplete / empty dataset and a run directory written by another
-config each stop the program before the run directory is created or changed. (The training
-path itself is covered by tests/rl/test_trainer.py.)
+Bad or unparsable flags (exit 2), a missing / truncated / malformed model, a malformed,
+incomplete, empty or non-UTF-8 dataset and a run directory written by another config (exit 1)
+each stop the program with `error: ...` naming the flag, file, line or tensor, before the run
+directory is created or changed; `--help`, `--only_check_args` and `--dry_run` check without
+writing. (Training, SIGTERM and checkpoint fallback: tests/rl/test_trainer.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 
 import pytest
 
-from rhyme_jax.checkpoint import write_run_config
+from rhyme_jax.run_config import write_run_config
 from rhyme_jax.config import parse_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,3 +82,104 @@ def test_run_dir_of_another_config_is_refused_and_untouched(tmp_path):
   assert "Traceback" not in proc.stderr
   assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
   assert json.loads((run_dir / "run_config.json").read_text())["config"]["rl"]["group_size"] == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The doors: each user error is one line, the right exit status, and nothing written.
+
+sys.path.insert(0, os.path.join(REPO, "tests", "rl"))
+import train_entry  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  return train_entry.write_tiny_llama(str(tmp_path_factory.mktemp("tiny")))
+
+
+def tiny_flags(model, run_dir, *extra):
+  return [f"--model={model}", "--tokenizer=smollm2-135m-instruct", f"--run_dir={run_dir}",
+          "--train_size=4", "--group_size=2", "--prompts_per_step=2", "--max_new_tokens=4",
+          "--max_prompt_len=128", "--num_steps=1", *extra]
+
+
+def assert_one_line_error(proc, status, *fragments):
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  line = last_line(proc)
+  assert line.startswith("error: "), proc.stderr[-3000:]
+  for f in fragments:
+    assert f in line, line
+
+
+def test_missing_model_writes_nothing(tmp_path):
+  proc = run_main(*tiny_flags("/nonexistent", tmp_path / "run"))
+  assert_one_line_error(proc, 1, "'/nonexistent' is neither an existing file/directory")
+  assert not (tmp_path / "run").exists()  # the corrected rerun is not refused
+
+
+def test_truncated_safetensors_is_one_line(tmp_path, tiny_model):
+  import shutil
+  broken = tmp_path / "model"
+  shutil.copytree(tiny_model, broken)
+  st = broken / "model.safetensors"
+  os.truncate(st, st.stat().st_size // 2)
+  proc = run_main(*tiny_flags(broken, tmp_path / "run"))
+  assert_one_line_error(proc, 1, f"{st}: truncated safetensors file: tensor")
+  assert not (tmp_path / "run").exists()
+
+
+def test_bad_config_json_is_one_line(tmp_path, tiny_model):
+  import shutil
+  broken = tmp_path / "model"
+  shutil.copytree(tiny_model, broken)
+  (broken / "config.json").write_text('{"hidden_size": 16,,}')
+  proc = run_main(*tiny_flags(broken, tmp_path / "run"))
+  assert_one_line_error(proc, 1, f"{broken / 'config.json'}: invalid JSON")
+  assert not (tmp_path / "run").exists()
+
+
+def test_non_utf8_dataset_names_file_and_line(tmp_path, tiny_model):
+  data = tmp_path / "d.jsonl"
+  data.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+\xff?", '
+                   b'"answer": "#### 4"}\n')
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), f"--dataset={data}")
+  assert_one_line_error(proc, 1, f"{data}:2: not UTF-8 (byte 0xff at column 17)")
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    ("--group_size=abc", "group_size"), ("--no_such_flag=1", "no_such_flag"),
+], ids=["unparsable", "unknown"])
+def test_flag_parse_errors_are_usage_errors(tmp_path, flag, fragment):
+  proc = run_main(*base_flags(tmp_path / "run"), flag)
+  assert_one_line_error(proc, 2, fragment)
+  assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_project_flags():
+  proc = run_main("--help")
+  assert proc.returncode == 0, proc.stderr
+  for flag in ("--group_size", "--spec", "--dry_run", "--run_dir", "--loss"):
+    assert flag in proc.stdout, flag
+
+
+def test_only_check_args_validates(tmp_path, tiny_model):
+  proc = run_main(*base_flags(tmp_path / "run"), "--only_check_args", "--spec=foo")
+  assert_one_line_error(proc, 2, "--spec=foo: expected one of histospec, none")
+  proc = run_main(*tiny_flags("/nonexistent", tmp_path / "run"), "--only_check_args")
+  assert_one_line_error(proc, 1, "/nonexistent")
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--only_check_args")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "mesh: {'data': 1, 'fsdp': 1, 'tensor': 1}" in out
+  assert "rollout engine: batch buckets (4, 2, 1)" in out
+  assert "sequence buckets (64, 128, 132)" in out
+  assert "memory" in out and "GiB" in out
+  assert "data: 4 train examples (arithmetic)" in out
+  assert not (tmp_path / "run").exists()

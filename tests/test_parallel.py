@@ -43,6 +43,7 @@ def _child_report() -> dict:
   import jax.numpy as jnp
   from flax import nnx
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   from rhyme_jax.models.attention import KVCache
   from rhyme_jax.models.transformer import init_model
 
@@ -75,10 +76,10 @@ def _child_report() -> dict:
       mesh = par.make_mesh(*shape)
       for how in HOWS[shape]:
         if how == "shard_model":
-          model = par.shard_model(init_model(cfg, 0), mesh)
+          model = shd.shard_model(init_model(cfg, 0), mesh)
         else:
-          model = par.create_sharded_model(cfg, mesh, 0)
-        cache = jax.device_put(KVCache.zeros(cfg, b, s), par.kv_cache_sharding(cfg, mesh, b))
+          model = shd.create_sharded_model(cfg, mesh, 0)
+        cache = jax.device_put(KVCache.zeros(cfg, b, s), shd.kv_cache_sharding(cfg, mesh, b))
         tok, pos, nxt, clen = par.shard_batch((tokens, positions, next_tok, cache_len), mesh)
         got_plain = np.asarray(plain_jit(model, tok, pos))
         got_pre, got_step = map(np.asarray, cached_jit(model, tok, pos, cache, nxt, clen))
@@ -103,6 +104,9 @@ def _run_child() -> dict:
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
+  # The child must import this checkout's package, not whichever copy is installed.
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
                         capture_output=True, text=True, timeout=600)
   if proc.returncode:
@@ -153,6 +157,7 @@ def test_params_and_activations_are_actually_sharded(report):
 def test_bad_mesh_shape_names_the_flags():
   import jax
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   devices = [jax.devices()[0]] * 1
   with pytest.raises(ValueError, match=r"data=2, fsdp=2, tensor=2.*= 8 but there are 1"):
     par.make_mesh(data=2, fsdp=2, tensor=2, devices=devices)
@@ -167,14 +172,15 @@ def test_bad_mesh_shape_names_the_flags():
 def test_unmatched_param_names_its_path():
   from flax import nnx
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   from rhyme_jax.models.transformer import Transformer
   cfg = _configs()["llama"]
   state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rules = tuple(r for r in par.PARAM_RULES if "mlp/down" not in r[0])
+  rules = tuple(r for r in shd.PARAM_RULES if "mlp/down" not in r[0])
   with pytest.raises(ValueError, match=r"'layers/0/mlp/down_proj/kernel' \(shape \(128, 64\)\)"):
-    par.param_specs(state, rules=rules)
+    shd.param_specs(state, rules=rules)
   with pytest.raises(ValueError, match="'blocks/0/ffn/w'"):
-    par.param_specs({"blocks": [{"ffn": {"w": np.zeros((4, 4))}}]})
+    shd.param_specs({"blocks": [{"ffn": {"w": np.zeros((4, 4))}}]})
 
 
 def test_specs_on_abstract_state_fall_back_when_not_divisible():
@@ -182,13 +188,14 @@ def test_specs_on_abstract_state_fall_back_when_not_divisible():
   from flax import nnx
   from jax.sharding import AbstractMesh, PartitionSpec as P
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   from rhyme_jax.models.config import ModelConfig
   from rhyme_jax.models.transformer import Transformer
   cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)
   state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
-  specs = par.param_specs(state, mesh, cfg)
+  specs = shd.param_specs(state, mesh, cfg)
   attn = specs["layers"][1]["attn"]
   # 9 and 3 heads do not split over tensor=2: head dims replicated, D still over fsdp.
   assert attn["q_proj"]["kernel"] == P("fsdp", None)
@@ -197,13 +204,13 @@ def test_specs_on_abstract_state_fall_back_when_not_divisible():
   assert specs["layers"][1]["mlp"]["down_proj"]["kernel"] == P("tensor", "fsdp")
   assert specs["embed"]["embedding"] == P("tensor", "fsdp")
   # Without the config only sizes are checked: 576 = 9*64 is even, so it would split mid-head.
-  assert par.param_specs(state, mesh)["layers"][1]["attn"]["q_proj"]["kernel"] == \
+  assert shd.param_specs(state, mesh)["layers"][1]["attn"]["q_proj"]["kernel"] == \
       P("fsdp", "tensor")
-  assert par.kv_cache_spec(cfg, mesh, batch=8) == P(None, ("data", "fsdp"), None, None, None)
-  assert par.kv_cache_spec(cfg, mesh, batch=6) == P(None, None, None, None, None)
+  assert shd.kv_cache_spec(cfg, mesh, batch=8) == P(None, ("data", "fsdp"), None, None, None)
+  assert shd.kv_cache_spec(cfg, mesh, batch=6) == P(None, None, None, None, None)
   # A 3-way tensor axis divides both head counts.
   mesh3 = AbstractMesh((1, 1, 3), ("data", "fsdp", "tensor"))
-  assert par.param_specs(state, mesh3, cfg)["layers"][0]["attn"]["k_proj"]["kernel"] == \
+  assert shd.param_specs(state, mesh3, cfg)["layers"][0]["attn"]["k_proj"]["kernel"] == \
       P(None, "tensor")
 
 
@@ -211,12 +218,13 @@ def test_specs_on_flat_numpy_dict():
   """A loader's flat {path: ndarray} dict, with slash or tuple keys, gets the same rules."""
   from jax.sharding import AbstractMesh, PartitionSpec as P
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   mesh = AbstractMesh((1, 2, 2), ("data", "fsdp", "tensor"))
-  slash = par.param_specs({"layers/0/mlp/gate_proj/kernel": np.zeros((8, 6)),
+  slash = shd.param_specs({"layers/0/mlp/gate_proj/kernel": np.zeros((8, 6)),
                            "final_norm/scale": np.zeros(8)}, mesh)
   assert slash["layers/0/mlp/gate_proj/kernel"] == P("fsdp", "tensor")
   assert slash["final_norm/scale"] == P(None)
-  tuples = par.param_specs({("layers", 1, "attn", "q_proj", "bias"): np.zeros(6),
+  tuples = shd.param_specs({("layers", 1, "attn", "q_proj", "bias"): np.zeros(6),
                             ("layers", 1, "attn", "o_proj", "kernel"): np.zeros((6, 5))}, mesh)
   assert tuples[("layers", 1, "attn", "q_proj", "bias")] == P("tensor")
   assert tuples[("layers", 1, "attn", "o_proj", "kernel")] == P("tensor", None)  # 5 % 2 != 0
@@ -224,6 +232,7 @@ def test_specs_on_flat_numpy_dict():
 
 def test_initialize_distributed_is_a_noop_on_one_process(monkeypatch):
   from rhyme_jax import parallel as par
+  from rhyme_jax.models import sharding as shd
   for key in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES",
               "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(key, raising=False)

@@ -1,6 +1,7 @@
 """Tests for rhyme_jax.plot: PNG panels from metrics.jsonl, graceful skipping."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,13 +65,14 @@ def test_no_plottable_metrics_returns_error(tmp_path, capsys):
 
 def test_module_entry_point(tmp_path):
   _write(tmp_path / "metrics.jsonl", [_full_record(s) for s in range(1, 4)])
-  proc = subprocess.run([sys.executable, "-m", "rhyme_jax.plot", str(tmp_path)],
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # import this checkout
+  proc = subprocess.run([sys.executable, "-m", "rhyme_jax.plot", str(tmp_path)], cwd=repo,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.split()
   assert len(lines) == 4 and all(line.endswith(".png") for line in lines)
   missing = subprocess.run(
-      [sys.executable, "-m", "rhyme_jax.plot", str(tmp_path / "nope")],
+      [sys.executable, "-m", "rhyme_jax.plot", str(tmp_path / "nope")], cwd=repo,
       capture_output=True, text=True, timeout=120)
   assert missing.returncode == 1
   assert str(tmp_path / "nope" / "metrics.jsonl") in missing.stderr

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from rhyme_jax.data.datasets import Example
+from rhyme_jax.data.example import Example
 
 NAMES = (("Tom", "he"), ("Anna", "she"), ("Ben", "he"), ("Lucy", "she"), ("Sam", "he"),
          ("Mia", "she"), ("Jack", "he"), ("Emma", "she"), ("Leo", "he"), ("Zoe", "she"))

@@ -8,33 +8,22 @@ line and the field at fault.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
+
+from rhyme_jax.data import arithmetic
+from rhyme_jax.data.example import DatasetError, Example, content_uid
+
+__all__ = ["DatasetError", "Example", "content_uid", "load_examples", "load_gsm8k",
+           "read_examples", "read_jsonl", "read_parquet", "records_to_examples"]
 
 REQUIRED_FIELDS = ("question", "answer")
 GSM8K_DIR_ENV = "RHYME_JAX_GSM8K_DIR"
-
-
-class DatasetError(ValueError):
-  """A dataset file is missing, malformed or lacks a required field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-  """One RL prompt source: a question and its reference answer.
-
-  `answer` is the reference text; for GSM8K-style data it ends with '#### <number>'.
-  `meta` keeps the record's other fields (source file, line, generator parameters...).
-  """
-
-  uid: str
-  question: str
-  answer: str
-  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+_OLD_GSM8K_DIR_ENV = "RHYME_GSM8K_DIR"
+ARITHMETIC_TRAIN_SIZE = 2000  # problems generated when no train size is given
+ARITHMETIC_TEST_SIZE = 200  # held-out problems (fixed: the train split excludes them)
 
 
 def project_root() -> Path:
@@ -47,13 +36,10 @@ def default_gsm8k_dir() -> Path:
   env = os.environ.get(GSM8K_DIR_ENV)
   if env:
     return Path(env)
+  if os.environ.get(_OLD_GSM8K_DIR_ENV):  # the name older docs gave: refuse, don't ignore it
+    raise DatasetError(f"${_OLD_GSM8K_DIR_ENV} is set but not read: the variable is "
+                       f"${GSM8K_DIR_ENV} (or pass --data_dir)")
   return project_root().parent / "shared" / "datasets" / "gsm8k"
-
-
-def content_uid(question: str, answer: str, prefix: str = "") -> str:
-  """Stable id from the content: the same question/answer always gets the same uid."""
-  digest = hashlib.sha1(f"{question}\x00{answer}".encode("utf-8")).hexdigest()[:16]
-  return f"{prefix}-{digest}" if prefix else digest
 
 
 def _validate_record(record: Any, where: str, required: Sequence[str]) -> dict:
@@ -77,8 +63,13 @@ def read_jsonl(path: str | os.PathLike, required: Sequence[str] = REQUIRED_FIELD
   if not path.is_file():
     raise DatasetError(f"{path}: dataset file not found")
   records = []
-  with path.open("r", encoding="utf-8") as f:
-    for line_no, line in enumerate(f, start=1):
+  with path.open("rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                           f"{e.start + 1})") from None
       if not line.strip():
         continue
       try:
@@ -141,7 +132,7 @@ def records_to_examples(records: Iterable[tuple[int, dict]], source: str,
   return examples
 
 
-def load_examples(path: str | os.PathLike, uid_prefix: str | None = None) -> list[Example]:
+def read_examples(path: str | os.PathLike, uid_prefix: str | None = None) -> list[Example]:
   """Load a .jsonl / .json lines or .parquet file of {question, answer} records.
 
   uid_prefix defaults to the file stem ('train', 'test'), which keeps uids of different
@@ -170,21 +161,31 @@ def load_gsm8k(split: str = "train", data_dir: str | os.PathLike | None = None
   if not path.is_file():
     raise DatasetError(f"{path}: GSM8K file not found; pass data_dir or set "
                        f"${GSM8K_DIR_ENV}")
-  return load_examples(path, uid_prefix=f"gsm8k-{split}")
+  return read_examples(path, uid_prefix=f"gsm8k-{split}")
 
 
-def load_dataset(name: str, split: str = "train", *, data_dir: str | os.PathLike | None = None,
-                 **kwargs) -> list[Example]:
-  """Resolve a dataset by name: 'gsm8k', 'arithmetic' (synthetic) or a path to a file.
+def load_examples(source: str, split: str = "train", *,
+                  data_dir: str | os.PathLike | None = None, train_size: int = 0,
+                  seed: int = 0) -> list[Example]:
+  """The one loader: 'gsm8k', 'arithmetic' (synthetic) or a .jsonl / .parquet path.
 
-  kwargs go to the synthetic generator (`num_examples`, `seed`, ...).
+  `train_size` > 0 keeps the first that many training examples (for 'arithmetic' it is how
+  many problems to generate, default `ARITHMETIC_TRAIN_SIZE`); evaluation splits are whole.
+  Errors are `DatasetError`s naming the file and line.
   """
-  if name == "gsm8k":
-    return load_gsm8k(split, data_dir)
-  if name == "arithmetic":
-    from rhyme_jax.data import arithmetic  # pylint: disable=import-outside-toplevel
-    return arithmetic.arithmetic_split(split, **kwargs)
-  if Path(name).suffix:
-    return load_examples(name)
-  raise DatasetError(f"unknown dataset {name!r}: use 'gsm8k', 'arithmetic' or a path to a "
-                     ".jsonl / .parquet file")
+  if source == "gsm8k":
+    examples = load_gsm8k(split, data_dir)
+  elif source == "arithmetic":
+    try:
+      return arithmetic.arithmetic_split(split, num_train=train_size or ARITHMETIC_TRAIN_SIZE,
+                                         num_test=ARITHMETIC_TEST_SIZE, seed=seed)
+    except ValueError as e:
+      raise DatasetError(str(e)) from e
+  elif Path(source).suffix:
+    examples = read_examples(source)
+  else:
+    raise DatasetError(f"unknown dataset {source!r}: use 'gsm8k', 'arithmetic' or a path to "
+                       "a .jsonl / .parquet file")
+  if split == "train" and train_size:
+    examples = examples[:train_size]
+  return examples

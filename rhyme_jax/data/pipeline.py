@@ -81,11 +81,6 @@ class PromptPipeline:
     self.num_steps = steps if num_epochs else None
     self.dataset = grain.MapDataset.range(steps).map(self._make_batch)
 
-  @property
-  def steps_per_epoch(self) -> float:
-    """Global batches per epoch (fractional when the dataset size is not a multiple)."""
-    return len(self.examples) / self.global_batch_size
-
   def _make_batch(self, step: int) -> PromptBatch:
     start = step * self.global_batch_size + self.process_index * self.batch_size
     positions = tuple(range(start, start + self.batch_size))

@@ -23,7 +23,13 @@ from flax import nnx
 
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.gguf_reader import GGUFFile, gguf_name
+from rhyme_jax.models import sharding
 from rhyme_jax.models.transformer import Transformer
+
+
+class ModelError(ValueError):
+  """A model file or directory is missing, truncated or malformed; the message names it."""
+
 
 # Short names that `resolve_model_path` knows: name -> (pip package, file inside it).
 KNOWN_MODELS = {
@@ -44,7 +50,7 @@ def _st_dtype(code: str, path: str, name: str):
     import ml_dtypes
     return ml_dtypes.bfloat16
   if code not in _ST_DTYPES:
-    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+    raise ModelError(f"{path}: tensor {name!r} has unsupported dtype {code}")
   return _ST_DTYPES[code]
 
 
@@ -57,15 +63,15 @@ class SafetensorsFile:
     with open(path, "rb") as f:
       head = f.read(8)
       if len(head) < 8:
-        raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        raise ModelError(f"{path}: truncated safetensors file ({size} bytes, no header)")
       n = int.from_bytes(head, "little")
       if n > size - 8:
-        raise ValueError(f"{path}: truncated safetensors file (header says {n} bytes, "
+        raise ModelError(f"{path}: truncated safetensors file (header says {n} bytes, "
                          f"file has {size - 8} after the length prefix)")
       try:
         header = json.loads(f.read(n))
       except ValueError as e:
-        raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+        raise ModelError(f"{path}: corrupt safetensors header: {e}") from e
     header.pop("__metadata__", None)
     self._data_start = 8 + n
     self.entries = header
@@ -73,7 +79,7 @@ class SafetensorsFile:
     for name, e in header.items():
       end = int(e["data_offsets"][1])
       if end > data_len:
-        raise ValueError(f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
+        raise ModelError(f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
                          f"{end} of the data section but the file holds only {data_len}")
 
   def shape(self, name: str) -> tuple[int, ...]:
@@ -86,7 +92,7 @@ class SafetensorsFile:
     shape = self.shape(name)
     count = int(np.prod(shape)) if shape else 1
     if (end - start) != count * dtype.itemsize:
-      raise ValueError(f"{self.path}: tensor {name!r} has {end - start} bytes, expected "
+      raise ModelError(f"{self.path}: tensor {name!r} has {end - start} bytes, expected "
                        f"{count * dtype.itemsize} for shape {list(shape)} {e['dtype']}")
     mm = np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + start,
                    shape=(count,))
@@ -105,7 +111,7 @@ class _HFCheckpoint:
         try:
           weight_map = json.load(f)["weight_map"]
         except (ValueError, KeyError) as e:
-          raise ValueError(f"{index}: cannot read 'weight_map': {e}") from e
+          raise ModelError(f"{index}: cannot read 'weight_map': {e}") from e
       files = sorted(set(weight_map.values()))
     elif os.path.isfile(single):
       files = ["model.safetensors"]
@@ -121,7 +127,7 @@ class _HFCheckpoint:
     if weight_map is not None:
       for name, fn in weight_map.items():
         if name not in self.files[fn].entries:
-          raise ValueError(f"{os.path.join(directory, fn)}: missing tensor {name!r} "
+          raise ModelError(f"{os.path.join(directory, fn)}: missing tensor {name!r} "
                            f"(listed in {index})")
 
   def find(self, name: str) -> tuple[str, SafetensorsFile] | None:
@@ -191,8 +197,7 @@ def _shardings_by_path(pure_params, mesh, cfg: ModelConfig) -> dict[str, object]
   """Parameter path -> `NamedSharding` from `rhyme_jax.parallel` (None without a mesh)."""
   if mesh is None:
     return None
-  from rhyme_jax import parallel  # imported only when sharding is asked for
-  shardings = parallel.param_shardings(pure_params, mesh, cfg)
+  shardings = sharding.param_shardings(pure_params, mesh, cfg)
   flat = jax.tree_util.tree_flatten_with_path(
       shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
   return {_param_path(p): s for p, s in flat}
@@ -211,7 +216,7 @@ def build_model(cfg: ModelConfig, read: Reader, *, mesh=None) -> Transformer:
     transpose = _is_transposed(path) and len(spec.shape) == 2
     want = tuple(reversed(spec.shape)) if transpose else tuple(spec.shape)
     if tuple(x.shape) != want:
-      raise ValueError(f"{fname}: tensor {name!r} has shape {list(x.shape)}, expected "
+      raise ModelError(f"{fname}: tensor {name!r} has shape {list(x.shape)}, expected "
                        f"{list(want)} for config {_cfg_summary(cfg)}")
     if transpose:
       x = x.T
@@ -247,33 +252,63 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, param_dtype=None,
   """Loads an HF directory (`config.json` + safetensors, single or sharded) as a `Transformer`.
 
   `param_dtype` (e.g. `jnp.bfloat16`) sets parameter and compute dtype (default float32).
-  With `mesh`, parameters are placed with `rhyme_jax.parallel.param_shardings`.
+  With `mesh`, parameters are placed with `rhyme_jax.models.sharding.param_shardings`.
   """
   directory = os.fspath(directory)
-  cfg_path = os.path.join(directory, "config.json")
-  if not os.path.isfile(cfg_path):
-    raise FileNotFoundError(f"{directory}: no config.json")
-  with open(cfg_path) as f:
-    try:
-      hf_cfg = json.load(f)
-    except ValueError as e:
-      raise ValueError(f"{cfg_path}: invalid JSON: {e}") from e
-  cfg = ModelConfig.from_hf(_normalize_hf_config(hf_cfg, cfg_path), source=cfg_path,
-                            **_overrides(param_dtype))
-  ckpt = _HFCheckpoint(directory)
+  cfg, ckpt = _open_hf(directory, param_dtype)
 
   def read(path):
     name = _hf_name(path)
     hit = ckpt.find(name)
     if hit is None and path == "lm_head.kernel":
-      raise ValueError(f"missing tensor {name!r} (config.json says tie_word_embeddings=false) "
+      raise ModelError(f"missing tensor {name!r} (config.json says tie_word_embeddings=false) "
                        f"in {ckpt.searched()}")
     if hit is None:
-      raise ValueError(f"missing tensor {name!r} in {ckpt.searched()}")
+      raise ModelError(f"missing tensor {name!r} in {ckpt.searched()}")
     _, st = hit
     return st.tensor(name), name, st.path
 
   return build_model(cfg, read, mesh=mesh), cfg
+
+
+def _hf_config(directory: str, param_dtype=None) -> ModelConfig:
+  cfg_path = os.path.join(directory, "config.json")
+  if not os.path.isfile(cfg_path):
+    raise FileNotFoundError(f"{directory}: no config.json")
+  with open(cfg_path, "rb") as f:
+    try:
+      hf_cfg = json.loads(f.read().decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+      raise ModelError(f"{cfg_path}: invalid JSON: {e}") from e
+  if not isinstance(hf_cfg, dict):
+    raise ModelError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
+  return ModelConfig.from_hf(_normalize_hf_config(hf_cfg, cfg_path), source=cfg_path,
+                             **_overrides(param_dtype))
+
+
+def _open_hf(directory: str, param_dtype=None) -> tuple[ModelConfig, "_HFCheckpoint"]:
+  """config.json and every safetensors header, validated (no tensor data read)."""
+  return _hf_config(directory, param_dtype), _HFCheckpoint(directory)
+
+
+def read_model_config(name_or_path: str | os.PathLike, *, param_dtype=None) -> ModelConfig:
+  """The model's config with its files' headers validated, without reading any weight.
+
+  What `--dry_run` and the trainer's input checks use: a missing, truncated or malformed
+  file fails here as a `ModelError` naming it, before anything is written.
+  """
+  try:
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+      return _open_hf(path, param_dtype)[0]
+    if path.lower().endswith(".gguf"):
+      return GGUFFile(path).config(**_overrides(param_dtype))
+    raise ModelError(f"{path}: expected an HF checkpoint directory or a .gguf file")
+  except ModelError:
+    raise
+  except (ValueError, KeyError, OSError) as e:  # the readers' messages name file and field
+    raise ModelError(str(e) if not isinstance(e, KeyError) else
+                     f"{name_or_path}: missing field {e}") from e
 
 
 def _normalize_hf_config(hf: dict, source: str) -> dict:
@@ -289,7 +324,7 @@ def _normalize_hf_config(hf: dict, source: str) -> dict:
     if rp.get("rope_type", "default") != "default" and not hf.get("rope_scaling"):
       hf["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
   if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
-    raise ValueError(f"{source}: sliding-window attention (field 'use_sliding_window' / "
+    raise ModelError(f"{source}: sliding-window attention (field 'use_sliding_window' / "
                      "'layer_types') is not supported")
   return hf
 
@@ -303,7 +338,7 @@ def load_gguf(path: "str | os.PathLike | GGUFFile", *, param_dtype=None,
   def read(p):
     name = gguf_name(p)
     if name not in g.tensors:
-      raise ValueError(f"{g.path}: missing tensor {name!r}")
+      raise ModelError(f"{g.path}: missing tensor {name!r}")
     return g.tensor(name, cfg), name, g.path
 
   return build_model(cfg, read, mesh=mesh), cfg
@@ -339,5 +374,5 @@ def load_model(name_or_path: str | os.PathLike, *, param_dtype=None,
     return load_hf_checkpoint(path, param_dtype=param_dtype, mesh=mesh)
   if path.lower().endswith(".gguf"):
     return load_gguf(path, param_dtype=param_dtype, mesh=mesh)
-  raise ValueError(f"{path}: expected an HF checkpoint directory or a .gguf file")
+  raise ModelError(f"{path}: expected an HF checkpoint directory or a .gguf file")
 

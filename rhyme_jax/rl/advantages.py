@@ -1,8 +1,9 @@
 """Advantage estimators for group-sampled RL (GRPO family), chosen by name from a registry.
 
-Every estimator maps the rewards of `num_groups` prompts x `G` responses each, shaped
-[N, G], to one scalar advantage per response, same shape. Flatten with `.reshape(-1)` to get
-the per-sequence advantages of a prompt-major batch (prompt 0's G responses first).
+Every estimator maps `rewards` shaped [prompts, group size] (one row per prompt, one column
+per sampled response; no legend letter, so plain names) to one scalar advantage per response,
+same shape. Flatten with `.reshape(-1)` to get the per-sequence advantages of a prompt-major
+batch (prompt 0's responses first).
 
 All functions are pure `jnp` and jit-friendly; options are keyword-only Python values.
 """
@@ -12,14 +13,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 from rhyme_jax.rl.registry import Registry
-import jax.numpy as jnp
 
 
 class AdvantageFn(Protocol):
 
-  def __call__(self, rewards_NxG: jax.Array, *, normalize_std: bool = ...,
+  def __call__(self, rewards: jax.Array, *, normalize_std: bool = ...,
                eps: float = ...) -> jax.Array:
     ...
 
@@ -30,49 +31,49 @@ get_advantage = _REGISTRY.get
 available_advantages = _REGISTRY.names
 
 
-def _check_groups(rewards_NxG: jax.Array, name: str) -> None:
-  if rewards_NxG.ndim != 2:
-    raise ValueError(f"{name}: rewards must be shaped [num_groups, G], got {rewards_NxG.shape}")
-  if rewards_NxG.shape[1] < 2:
+def _check_groups(rewards: jax.Array, name: str) -> None:
+  if rewards.ndim != 2:
+    raise ValueError(f"{name}: rewards must be shaped [num_groups, G], got {rewards.shape}")
+  if rewards.shape[1] < 2:
     raise ValueError(f"{name}: needs at least 2 responses per group (G), got G="
-                     f"{rewards_NxG.shape[1]}")
+                     f"{rewards.shape[1]}")
 
 
-def _group_std(rewards_NxG: jax.Array) -> jax.Array:
+def _group_std(rewards: jax.Array) -> jax.Array:
   """Unbiased (ddof=1) std per group, as torch.std in the GRPO reference code, [N, 1]."""
-  return jnp.std(rewards_NxG, axis=1, keepdims=True, ddof=1)
+  return jnp.std(rewards, axis=1, keepdims=True, ddof=1)
 
 
 @register_advantage("grpo")
-def grpo(rewards_NxG: jax.Array, *, normalize_std: bool = True,
+def grpo(rewards: jax.Array, *, normalize_std: bool = True,
          eps: float = 1e-6) -> jax.Array:
   """GRPO: reward minus the group mean, optionally divided by (group std + eps).
 
   `normalize_std=False` gives the Dr. GRPO variant, which avoids up-weighting groups whose
   rewards barely differ. A group with identical rewards gets zero advantage either way.
   """
-  _check_groups(rewards_NxG, "grpo")
-  rewards_NxG = rewards_NxG.astype(jnp.float32)
-  adv_NxG = rewards_NxG - jnp.mean(rewards_NxG, axis=1, keepdims=True)
+  _check_groups(rewards, "grpo")
+  rewards = rewards.astype(jnp.float32)
+  adv = rewards - jnp.mean(rewards, axis=1, keepdims=True)
   if normalize_std:
-    adv_NxG = adv_NxG / (_group_std(rewards_NxG) + eps)
-  return adv_NxG
+    adv = adv / (_group_std(rewards) + eps)
+  return adv
 
 
 @register_advantage("rloo")
-def rloo(rewards_NxG: jax.Array, *, normalize_std: bool = False,
+def rloo(rewards: jax.Array, *, normalize_std: bool = False,
          eps: float = 1e-6) -> jax.Array:
   """REINFORCE leave-one-out: reward minus the mean of the other G-1 rewards of its group.
 
   Equals G/(G-1) x the mean-centred reward; the baseline never includes the sample itself, so
   the estimate is unbiased. `normalize_std=True` additionally divides by (group std + eps).
   """
-  _check_groups(rewards_NxG, "rloo")
-  rewards_NxG = rewards_NxG.astype(jnp.float32)
-  g = rewards_NxG.shape[1]
+  _check_groups(rewards, "rloo")
+  rewards = rewards.astype(jnp.float32)
+  g = rewards.shape[1]
   # r_i - (sum - r_i) / (G - 1) == G / (G - 1) * (r_i - mean); this form is exactly 0 for a
   # constant group in floating point.
-  adv_NxG = (g / (g - 1)) * (rewards_NxG - jnp.mean(rewards_NxG, axis=1, keepdims=True))
+  adv = (g / (g - 1)) * (rewards - jnp.mean(rewards, axis=1, keepdims=True))
   if normalize_std:
-    adv_NxG = adv_NxG / (_group_std(rewards_NxG) + eps)
-  return adv_NxG
+    adv = adv / (_group_std(rewards) + eps)
+  return adv

@@ -23,11 +23,11 @@ from typing import Protocol
 
 import jax
 
+from rhyme_jax.config import AGGREGATIONS, KL_ESTIMATORS  # noqa: F401  (re-exported)
 from rhyme_jax.rl.registry import Registry
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# The choice lists are the flags' (config.py); AGGREGATIONS / KL_ESTIMATORS re-exported here.
 
 
 @dataclasses.dataclass(frozen=True)

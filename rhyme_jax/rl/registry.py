@@ -1,4 +1,4 @@
-"""A name -> function registry: losses and advantage estimators are chosen by name in configs."""
+"""A name -> function registry: losses, advantage estimators and rewards are chosen by name."""
 
 from __future__ import annotations
 

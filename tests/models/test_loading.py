@@ -326,8 +326,9 @@ _MESH_SCRIPT = textwrap.dedent("""
 def test_load_with_mesh_shards_parameters(hf_dir):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(hf_dir)], env=env,
-                     capture_output=True, text=True, timeout=300)
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(hf_dir)], env=env, cwd=repo,
+                     capture_output=True, text=True, timeout=300)  # cwd: this checkout's package
   assert r.returncode == 0, r.stdout + r.stderr
   assert "MAXDIFF" in r.stdout
 

@@ -57,7 +57,7 @@ def test_gsm8k_reference_answers_score_one():
   """Every GSM8K test reference parses, and the reference solution scores 1 against itself."""
   path = datasets.default_gsm8k_dir() / "test.jsonl"
   if not path.is_file():
-    pytest.skip("shared GSM8K copy not present on this machine")
+    pytest.skip(f"{path} is missing (the shared GSM8K copy next to the checkout); CI has it")
   fn = get_reward_fn("gsm8k+format")
   examples = datasets.load_gsm8k("test")
   scores = [fn(e.answer, e) for e in examples]

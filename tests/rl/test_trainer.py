@@ -49,14 +49,26 @@ def tiny_flags(model_dir, run_dir, *extra):
           "--learning_rate=0.01", "--temperature=1.0", "--seed=3", *extra]
 
 
+def entry_env(**extra):
+  """The child imports this checkout's package (not an installed copy) and train_entry."""
+  path = [REPO, os.path.dirname(ENTRY)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra)
+
+
 def run_entry(args, env_extra=None, **kw):
-  env = dict(os.environ, **(env_extra or {}))
+  env = entry_env(**(env_extra or {}))
   return subprocess.run([sys.executable, ENTRY, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, **kw)
 
 
 def comparable(records):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+def test_children_import_this_checkout():
+  proc = subprocess.run([sys.executable, "-c", "import rhyme_jax; print(rhyme_jax.__file__)"],
+                        cwd="/", env=entry_env(), capture_output=True, text=True, timeout=60)
+  assert proc.stdout.strip() == os.path.join(REPO, "rhyme_jax", "__init__.py"), proc.stderr
 
 
 def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
@@ -66,7 +78,7 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
   config = parse_flags(tiny_flags(tiny_model, tmp_path / "run", "--num_steps=2",
                                   "--checkpoint_every=1", "--eval_every=2", "--eval_size=3"))
   t = trainer.Trainer(config)
-  before = jax.tree.map(np.array, t.params)
+  before = jax.tree.map(np.array, t.learner.params)
   traces = dict(TRACE_COUNTS)  # the engine was warmed up in the constructor
   history = t.run()
   assert dict(TRACE_COUNTS) == traces, "the rollouts or the greedy eval compiled"
@@ -78,19 +90,21 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
     assert r["response_length/max"] <= 6
     assert 0.0 <= r["reward/mean"] <= 1.0
     assert np.isfinite(r["train/loss"]) and r["grad_norm"] > 0  # rewards differ in groups
-    assert r["rollout/mean_accepted_length"] >= 1.0
+    # Tokens per useful slot-step: 1 without accepted drafts (epoch 0 has no history; a
+    # random model's siblings almost never agree), never below 1.
+    assert 1.0 <= r["rollout/mean_accepted_length"] <= 1.1
     assert r["seq_len"] == 128
   assert "eval/accuracy" in records[1] and "eval/accuracy" not in records[0]
   # Steps 1 and 2 are different prompts (train_size 6 = 3 steps per epoch).
   assert records[0]["data/batch_hash"] != records[1]["data/batch_hash"]
 
-  after = jax.tree.map(np.array, t.params)
+  after = jax.tree.map(np.array, t.learner.params)
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before, after))
   assert max(moved) > 1e-4
-  engine_params = jax.tree.map(np.array, nnx.split(nnx.merge(t.graphdef, t.engine.params))[1])
+  engine_params = jax.tree.map(np.array, nnx.split(nnx.merge(t.learner.graphdef, t.rollouts.engine.params))[1])
   for a, b in zip(jax.tree.leaves(engine_params), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)  # the engine samples from the updated policy
-  assert len(t.store) == 4  # 2 steps x 2 prompts recorded for the next epoch
+  assert len(t.rollouts.store) == 4  # 2 steps x 2 prompts recorded for the next epoch
   assert t.checkpointer.all_steps() == [1, 2]
   cfg = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
   assert cfg["rollout"]["spec"] == "histospec"
@@ -107,8 +121,7 @@ def test_eight_device_mesh(tiny_model, tmp_path):
   code = ("import jax; assert jax.device_count() == 8, jax.devices(); "
           "import runpy, sys; sys.argv = [sys.argv[0]] + sys.argv[1:]; "
           f"runpy.run_path({ENTRY!r}, run_name='__main__')")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(ENTRY))
+  env = entry_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +131,8 @@ def test_eight_device_mesh(tiny_model, tmp_path):
     assert np.isfinite(r["train/loss"])
     assert r["rollout/groups_kept"] <= 2
     assert 1 <= r["rollout/rounds"] <= 2
-    assert r["kl"] >= 0.0
+    if r["rollout/groups_kept"]:  # trained: the second epoch starts away from the reference
+      assert r["kl"] > 0.0
   # The second epoch of step 2 starts from moved parameters: KL to the reference is non-zero.
   assert records[1]["kl"] > 0.0
 
@@ -131,7 +145,8 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
 
   run_dir = tmp_path / "killed"
   args = tiny_flags(tiny_model, run_dir, *steps)
-  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, env=entry_env(),
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 600
@@ -153,3 +168,63 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
   assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
   assert [r["data/batch_hash"] for r in got] == [r["data/batch_hash"] for r in want]
   assert comparable(got) == comparable(want)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model, tmp_path_factory):
+  """An uninterrupted 4-step run: what every interrupted-and-resumed run must reproduce."""
+  run_dir = tmp_path_factory.mktemp("reference") / "run"
+  proc = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4"), timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_cleanly_and_resume_repeats_nothing(tiny_model, tmp_path,
+                                                               reference_run):
+  run_dir = tmp_path / "run"
+  # No periodic checkpoint before the end: the only one at SIGTERM is the one it makes.
+  args = tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=100")
+  proc = subprocess.Popen([sys.executable, ENTRY, *args], cwd=REPO, env=entry_env(),
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + 600
+  while not (metrics.exists() and read_metrics(metrics)):
+    assert proc.poll() is None and time.time() < deadline, "the run ended before SIGTERM"
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  stopped = max(r["step"] for r in read_metrics(metrics))
+  assert stopped < 4 and f"stopped at step {stopped} (checkpoint saved)" in err
+  assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [stopped]
+
+  resumed = run_entry(args, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"at step {stopped}" in resumed.stderr
+  got = read_metrics(metrics)
+  assert [r["step"] for r in got] == [1, 2, 3, 4]  # nothing skipped, nothing repeated
+  assert comparable(got) == comparable(reference_run)
+
+
+@pytest.mark.slow
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(tiny_model, tmp_path,
+                                                              reference_run):
+  run_dir = tmp_path / "run"
+  first = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=3", "--checkpoint_every=1",
+                               "--keep_checkpoints=3"), timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  for p in (run_dir / "checkpoints" / "3").rglob("*"):
+    if p.is_file() and p.stat().st_size and "params" in p.parts:
+      os.truncate(p, p.stat().st_size // 2)
+  resumed = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4", "--checkpoint_every=1",
+                                 "--keep_checkpoints=3"), timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "warning: checkpoint step 3 is unreadable (moved to " in resumed.stderr
+  assert "at step 2" in resumed.stderr
+  assert (run_dir / "corrupt_checkpoints" / "3").is_dir()  # kept aside; step 3 saved afresh
+  assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 3, 4]
+  got = read_metrics(run_dir / "metrics.jsonl")
+  assert [r["step"] for r in got] == [1, 2, 3, 4]  # step 3 redone from step 2's state
+  assert comparable(got) == comparable(reference_run)

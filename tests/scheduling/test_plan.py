@@ -57,7 +57,7 @@ def test_plan_orders_and_shards_deterministically():
 
 
 def test_admission_order_does_not_change_what_is_sampled(tiny_model):
-  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), budgets=(0,), eos_ids=(3,), seed=5)
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=0, eos_ids=(3,), seed=5)
   reqs = _requests(4)
   first = RolloutEngine(tiny_model, cfg).generate(reqs)
   lengths = {r.request_id: len(r.tokens) for r in first}

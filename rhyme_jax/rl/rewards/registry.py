@@ -15,6 +15,8 @@ import dataclasses
 import re
 from typing import Any, Callable, Mapping
 
+from rhyme_jax.rl.registry import Registry
+
 ScoreFn = Callable[[str, Any], "RewardResult"]
 
 
@@ -45,23 +47,10 @@ class RewardFn:
     return f"RewardFn({self.name!r})"
 
 
-_FACTORIES: dict[str, Callable[..., ScoreFn]] = {}
-
-
-def register_reward(name: str):
-  """Decorator for a factory `(**options) -> score(completion, example) -> RewardResult`."""
-
-  def wrap(factory):
-    if name in _FACTORIES:
-      raise ValueError(f"reward {name!r} is already registered")
-    _FACTORIES[name] = factory
-    return factory
-
-  return wrap
-
-
-def available_rewards() -> list[str]:
-  return sorted(_FACTORIES)
+# Factories `(**options) -> score(completion, example) -> RewardResult`, by name.
+_REGISTRY: Registry[Callable[..., ScoreFn]] = Registry("reward")
+register_reward = _REGISTRY.register  # decorator
+available_rewards = _REGISTRY.names
 
 
 _TERM = re.compile(r"^\s*(?:(\d+(?:\.\d*)?|\.\d+)\s*\*\s*)?([A-Za-z_][\w]*)\s*$")
@@ -70,9 +59,7 @@ _TERM = re.compile(r"^\s*(?:(\d+(?:\.\d*)?|\.\d+)\s*\*\s*)?([A-Za-z_][\w]*)\s*$"
 def get_reward_fn(name: str, **options) -> RewardFn:
   """A reward by name ('gsm8k', 'gsm8k+0.1*format', ...); options go to a single factory."""
   if "+" not in name and "*" not in name:
-    if name not in _FACTORIES:
-      raise ValueError(f"unknown reward {name!r}; known: {available_rewards()}")
-    return RewardFn(name, _FACTORIES[name](**options))
+    return RewardFn(name, _REGISTRY.get(name)(**options))
   if options:
     raise ValueError(f"reward {name!r}: options apply to a single reward, not a combination")
   weighted = {}

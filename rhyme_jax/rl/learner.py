@@ -1,0 +1,187 @@
+"""The learner: optimiser, the jitted update step and the state it updates.
+
+`update_step` is a pure function `(params, opt_state, batch) -> (params, opt_state, metrics)`
+that averages gradients over micro-batches inside one jit (lax.scan), with the parameters and
+optimiser moments sharded by the model's partition rules. `Learner` owns that state (plus the
+frozen reference parameters when a KL penalty is on) and turns scored sample groups into
+`ppo_epochs` updates: advantages -> packed batch -> old / reference log-probs -> updates.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rhyme_jax import parallel
+from rhyme_jax.config import Config
+from rhyme_jax.models import sharding
+from rhyme_jax.rl import losses
+from rhyme_jax.rl.advantages import get_advantage
+from rhyme_jax.rl.samples import Sample, length_buckets, pack_batch
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+  """AdamW, optional linear warm-up (counted in optimiser updates) and global-norm clipping."""
+  rl = config.rl
+  if rl.warmup_steps:
+    lr = optax.warmup_constant_schedule(0.0, rl.learning_rate, rl.warmup_steps * rl.ppo_epochs)
+  else:
+    lr = rl.learning_rate
+  parts = []
+  if rl.max_grad_norm > 0:
+    parts.append(optax.clip_by_global_norm(rl.max_grad_norm))
+  parts.append(optax.adamw(lr, weight_decay=rl.weight_decay))
+  return optax.chain(*parts)
+
+
+def optimizer_shardings(abstract_opt_state, mesh, model_config):
+  """Optimiser moments sharded like the parameters they mirror (the same path rules);
+  scalars (step counts) replicated."""
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def one(path, x):
+    if not x.ndim:
+      return rep
+    spec = sharding.spec_for(parallel.path_str(path), x.shape, mesh, model_config)
+    return jax.sharding.NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+def loss_config(config: Config) -> losses.PolicyLossConfig:
+  rl = config.rl
+  return losses.PolicyLossConfig(
+      eps_low=rl.clip_eps_low, eps_high=rl.clip_eps_high, aggregation=rl.loss_aggregation,
+      kl_beta=rl.kl_beta, kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap or None)
+
+
+def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature):
+  model = nnx.merge(graphdef, params)
+  positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+  logits_BxTxV = model(tokens_BxT, positions_BxT).logits_BxTxV
+  return (losses.token_logprobs(logits_BxTxV, targets_BxT, temperature),
+          jax.lax.stop_gradient(losses.entropy(logits_BxTxV, temperature)))
+
+
+def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):
+  """Trainer log-probs of the targets (no gradient)."""
+  return _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature)[0]
+
+
+def update_step(graphdef, tx, loss_name: str, loss_cfg: losses.PolicyLossConfig,
+                temperature: float, num_micro: int, params, opt_state, batch):
+  """One optimiser update; gradients are averaged over `num_micro` micro-batches (lax.scan)."""
+  loss_fn = losses.get_loss(loss_name)
+
+  def micro_loss(p, mb):
+    logp_BxT, ent_BxT = _forward_logprobs(graphdef, p, mb["tokens"], mb["targets"], temperature)
+    return loss_fn(logp_BxT, mb.get("old"), mb["adv"], mb["mask"], config=loss_cfg,
+                   logp_ref_BxT=mb.get("ref"), logp_rollout_BxT=mb.get("rollout"),
+                   entropy_BxT=ent_BxT)
+
+  # Rows i, i + M, i + 2M, ... form micro-batch i: each keeps the batch sharding of its rows.
+  micro = jax.tree.map(
+      lambda x: jnp.moveaxis(x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:]), 1, 0),
+      batch)
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def body(acc, mb):
+    (loss, mets), grads = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, acc, (grads, loss, mets)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  mets0 = jax.eval_shape(lambda: micro_loss(params, jax.tree.map(lambda x: x[0], micro))[1])
+  mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
+  (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0), mets0), micro)
+  grads = jax.tree.map(lambda g: g / num_micro, grads)
+  mets = {k: v / num_micro for k, v in mets.items()}
+  mets["loss"] = loss / num_micro
+  mets["grad_norm"] = optax.tree.norm(grads)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, mets
+
+
+class Learner:
+  """Parameters, optimiser state and the compiled update / log-prob steps of one run."""
+
+  def __init__(self, config: Config, model: nnx.Module, mesh, model_config):
+    c = config
+    self.config = config
+    self.mesh = mesh
+    self.graphdef, self.params = nnx.split(model)
+    self.ref_params = jax.tree.map(jnp.copy, self.params) if c.rl.kl_beta > 0 else None
+    self.tx = make_optimizer(c)
+    self.opt_state = jax.jit(self.tx.init, out_shardings=optimizer_shardings(
+        jax.eval_shape(self.tx.init, self.params), mesh, model_config))(self.params)
+    self.buckets = length_buckets(c.rollout.max_prompt_len + c.rollout.max_new_tokens)
+    self.num_rows = c.rl.samples_per_step
+    self.micro = c.rl.micro_batch_size or self.num_rows
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding if x.ndim else rep, tree)
+    self._update = jax.jit(
+        functools.partial(update_step, self.graphdef, self.tx, c.rl.loss, loss_config(c),
+                          c.rollout.temperature, self.num_rows // self.micro),
+        donate_argnums=(0, 1),
+        out_shardings=(shardings(self.params), shardings(self.opt_state), None))
+    self._logprobs = jax.jit(functools.partial(logprob_step, self.graphdef,
+                                               c.rollout.temperature))
+
+  def model(self) -> nnx.Module:
+    """The current policy as a module (shares the parameter arrays)."""
+    return nnx.merge(self.graphdef, self.params)
+
+  def logprobs(self, params, batch) -> np.ndarray:
+    """Log-probs of `batch`'s targets under `params`, micro-batch by micro-batch."""
+    out = []
+    for i in range(0, batch["tokens"].shape[0], self.micro):
+      rows = {k: batch[k][i:i + self.micro] for k in ("tokens", "targets")}
+      rows = parallel.shard_batch(rows, self.mesh)
+      out.append(np.asarray(self._logprobs(params, rows["tokens"], rows["targets"])))
+    return np.concatenate(out).astype(np.float32)
+
+  def train_on(self, groups: Sequence[Sequence[Sample]]) -> dict[str, Any]:
+    """Advantages, old/ref log-probs, `ppo_epochs` updates of scored groups; returns metrics."""
+    c = self.config
+    mets: dict[str, Any] = {}
+    # One row per prompt, one column per sample of its group.
+    rewards = np.array([[s.reward for s in g] for g in groups], np.float32)
+    adv_B = np.asarray(get_advantage(c.rl.advantage)(
+        jnp.asarray(rewards), normalize_std=c.rl.normalize_std)).reshape(-1)
+    batch = pack_batch(groups, adv_B, self.num_rows, self.buckets)
+    if not c.rl.tis_cap:
+      del batch["rollout"]
+    mets["seq_len"] = batch["tokens"].shape[1]
+
+    t0 = time.perf_counter()
+    extra = {}
+    if c.rl.ppo_epochs > 1:
+      extra["old"] = self.logprobs(self.params, batch)
+    if self.ref_params is not None:
+      extra["ref"] = self.logprobs(self.ref_params, batch)
+    batch.update(extra)
+    mets["time/logprob"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    device_batch = parallel.shard_batch(batch, self.mesh)
+    epoch_mets = []
+    for _ in range(c.rl.ppo_epochs):
+      self.params, self.opt_state, m = self._update(self.params, self.opt_state, device_batch)
+      epoch_mets.append(m)
+    epoch_mets = jax.device_get(epoch_mets)
+    mets["time/train"] = time.perf_counter() - t0
+    last = epoch_mets[-1]
+    mets.update({f"train/{k}": float(v) for k, v in last.items()})
+    mets["train/grad_norm_first_epoch"] = float(epoch_mets[0]["grad_norm"])
+    mets["kl"] = float(last.get("kl_ref", last["approx_kl"]))
+    mets["entropy"] = float(last["entropy"])
+    mets["clip_frac"] = float(last["clip_frac_high"] + last["clip_frac_low"])
+    mets["grad_norm"] = float(last["grad_norm"])
+    return mets

@@ -1,0 +1,152 @@
+"""Rollout orchestration: prompts -> engine requests -> scored sample groups.
+
+`Rollouts` owns the engine, the sampling parameters and (with `--spec=histospec`) the history
+drafter. `sample_round` samples G responses for a batch of prompts and records every finished
+group in the history store, so the prompt's next visit drafts from it; `evaluate` decodes
+held-out prompts greedily. Request ids are a function of (step, round, prompt, sample) and the
+engine's sampling keys of (seed, request id, position), so a resumed run samples the same
+tokens as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from rhyme_jax.config import Config, ids_per_step
+from rhyme_jax.history.drafter import HistoryDrafter
+from rhyme_jax.history.store import HistoryStore
+from rhyme_jax.rl.rewards.scoring import Scorer
+from rhyme_jax.rl.samples import Prompt, Sample, accuracy, rows_hash, tokens_crc32
+from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
+
+# Engine counters summed over a step's rollout rounds.
+_ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "lookahead_time_s",
+                    "ahead_hits", "ahead_misses")
+
+
+def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
+  """Batch buckets: the step's sample count and the powers of two below it."""
+  c = config
+  b = c.rl.samples_per_step
+  buckets = sorted({b} | {2**k for k in range(b.bit_length()) if 2**k < b}, reverse=True)
+  return EngineConfig(
+      max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
+      max_draft=c.rollout.draft_budget if drafting else 0,
+      prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
+      eos_ids=tuple(eos_ids), seed=c.run.seed)
+
+
+class Rollouts:
+  """Samples and scores groups of responses with the rollout engine."""
+
+  def __init__(self, config: Config, model, tokenizer, scorer: Scorer):
+    c = config
+    self.config = config
+    self.scorer = scorer
+    self.store = HistoryStore() if c.rollout.spec == "histospec" else None
+    self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
+                    if self.store is not None else None)
+    self.engine = RolloutEngine(model, engine_config(c, tokenizer.stop_ids, self.drafter is not None),
+                                self.drafter)
+    self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                                   top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens)
+    self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
+
+  def warmup(self) -> None:
+    """Compiles every rollout shape once: for training sampling and for greedy evaluation."""
+    for filters in {needs_filtering([self.sampling]), False}:
+      self.engine.warmup(filters=filters)
+
+  def _requests(self, prompts: Sequence[Prompt], base_id: int, params: SamplingParams,
+                group_prefix) -> list[Request]:
+    g = self.config.rl.group_size if params.temperature > 0 else 1
+    return [Request(request_id=base_id + i * g + j, prompt=p.tokens, params=params,
+                    group_id=(group_prefix, i), prompt_key=p.key)
+            for i, p in enumerate(prompts) for j in range(g)]
+
+  def sample_round(self, prompts: Sequence[Prompt], step: int, round_idx: int,
+                   stats: dict[str, Any]) -> list[list[Sample]]:
+    """G scored responses per prompt; each group is recorded in the history store."""
+    c = self.config
+    stats.setdefault("rows", []).extend(prompts)
+    base = step * ids_per_step(c) + round_idx * c.rl.samples_per_step
+    t0 = time.perf_counter()
+    results = self.engine.generate(self._requests(prompts, base, self.sampling,
+                                                  (step, round_idx)))
+    for k in _ENGINE_COUNTERS:
+      stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)
+    stats["time/rollout"] = stats.get("time/rollout", 0.0) + time.perf_counter() - t0
+    t0 = time.perf_counter()
+    g = c.rl.group_size
+    groups = []
+    for i, p in enumerate(prompts):
+      group = []
+      for r in results[i * g:(i + 1) * g]:
+        if r.finish_reason == "error":
+          raise RuntimeError(f"rollout of example {p.example.uid} failed: {r.error}")
+        group.append(Sample(p, r.tokens, r.logprobs, r.finish_reason))
+      self.scorer.score_group(group)
+      if self.drafter is not None:
+        self.drafter.record_group(p.key, [x.tokens for x in group], [x.reward for x in group],
+                                  epoch=p.epoch)
+        self.drafter.end_group(((step, round_idx), i))
+      groups.append(group)
+    stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
+    return groups
+
+  def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, float]:
+    """Greedy decoding of held-out prompts: mean reward and accuracy."""
+    t0 = time.perf_counter()
+    results = self.engine.generate(self._requests(prompts, 0, self.greedy, ("eval", step)))
+    samples = [Sample(p, r.tokens, r.logprobs, r.finish_reason) for p, r in zip(prompts, results)]
+    for s in samples:
+      self.scorer.score(s)
+    if self.drafter is not None:
+      for i in range(len(prompts)):
+        self.drafter.end_group((("eval", step), i))
+    out = {"eval/reward": float(np.mean([s.reward for s in samples])),
+           "eval/response_length": float(np.mean([len(s.tokens) for s in samples])),
+           "time/eval": time.perf_counter() - t0}
+    acc = accuracy(samples)
+    if acc is not None:
+      out["eval/accuracy"] = acc
+    return out
+
+
+def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
+                    prompts_per_step: int) -> dict[str, Any]:
+  """What a step's rollouts did: rewards, lengths, speculation and timing."""
+  m: dict[str, Any] = {}
+  rewards = np.array([s.reward for s in samples])
+  lengths = np.array([len(s.tokens) for s in samples])
+  m["reward/mean"] = float(rewards.mean())
+  m["reward/std"] = float(rewards.std())
+  acc = accuracy(samples)
+  if acc is not None:
+    m["accuracy"] = acc
+  m["response_length/mean"] = float(lengths.mean())
+  m["response_length/max"] = int(lengths.max())
+  m["rollout/tokens_crc32"] = tokens_crc32(samples)
+  m["response_length/truncated_frac"] = float(np.mean([s.finish_reason == "length"
+                                                       for s in samples]))
+  rows = stats["rows"]
+  m["rollout/rounds"] = len(rows) // prompts_per_step
+  m["rollout/groups_kept"] = kept
+  m["rollout/tokens_per_s"] = stats["tokens"] / max(stats["time/rollout"], 1e-9)
+  m["rollout/mean_accepted_length"] = stats["tokens"] / max(stats["useful_slot_steps"], 1)
+  m["rollout/forwards_per_token"] = stats["steps"] / max(stats["tokens"], 1)
+  # Host drafting per decode step: on the critical path, and in the background (overlapped).
+  m["time/draft_ms_per_step"] = 1e3 * stats["draft_time_s"] / max(stats["steps"], 1)
+  m["time/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
+  m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
+      stats["ahead_hits"] + stats["ahead_misses"], 1)
+  m["time/rollout"] = stats["time/rollout"]
+  m["time/reward"] = stats["time/reward"]
+  m["data/epoch"] = int(max(p.epoch for p in rows))
+  m["data/batch_hash"] = rows_hash(rows)
+  return m

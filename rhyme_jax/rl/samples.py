@@ -1,0 +1,132 @@
+"""Prompts, samples and the train step's sequence layout (host side, numpy).
+
+A `Prompt` is one example rendered and tokenized for the engine; a `Sample` is one sampled
+response to it with its engine log-probs and, once scored, its reward. `pack_batch` lays a
+step's samples out for the learner:
+
+  per row [prompt, response] right-padded to a static length T taken from a few buckets;
+  positions = arange(T); the logits at t score token t + 1 (`targets_BxT[:, t]`), and the loss
+  mask covers the response tokens. No KV cache: one causal forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from rhyme_jax.data.datasets import Example
+from rhyme_jax.history.store import prompt_key
+
+
+@dataclasses.dataclass
+class Prompt:
+  """One example ready for the engine."""
+
+  example: Example
+  text: str
+  tokens: np.ndarray  # int32
+  key: str  # history-store key (hash of the tokens), computed once here
+  epoch: int
+
+
+@dataclasses.dataclass
+class Sample:
+  """One sampled response; `reward`, `correct` and `text` are filled in by the scorer."""
+
+  prompt: Prompt
+  tokens: np.ndarray  # response, int32
+  logprobs: np.ndarray  # engine (rollout) log-probs, float32
+  finish_reason: str
+  reward: float = 0.0
+  correct: float | None = None
+  text: str = ""
+
+
+def encode_prompts(texts: Sequence[str], examples: Sequence[Example], epochs: Sequence[int],
+                   tokenizer, max_prompt_len: int) -> list[Prompt]:
+  """Tokenizes rendered prompts; a prompt too long for `--max_prompt_len` names its example."""
+  out = []
+  for text, ex, epoch in zip(texts, examples, epochs):
+    tokens = np.asarray(tokenizer.encode(text), np.int32)
+    if len(tokens) > max_prompt_len:
+      raise ValueError(f"example {ex.uid}: prompt has {len(tokens)} tokens, more than "
+                       f"--max_prompt_len={max_prompt_len}")
+    if len(tokens) == 0:
+      raise ValueError(f"example {ex.uid}: prompt encodes to no tokens")
+    out.append(Prompt(ex, text, tokens, prompt_key(tokens), epoch))
+  return out
+
+
+def prompt_of(example: Example, tokens, epoch: int = 0, text: str = "") -> Prompt:
+  """A `Prompt` from already tokenized ids (benchmarks that tokenize themselves)."""
+  tokens = np.asarray(tokens, np.int32)
+  return Prompt(example, text, tokens, prompt_key(tokens), epoch)
+
+
+def length_buckets(max_total: int, smallest: int = 64) -> tuple[int, ...]:
+  """Static sequence lengths: powers of two from `smallest` below `max_total`, then it."""
+  sizes, n = [], smallest
+  while n < max_total:
+    sizes.append(n)
+    n *= 2
+  return tuple(sizes) + (max_total,)
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket holding `n` tokens."""
+  for b in buckets:
+    if n <= b:
+      return b
+  raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {buckets[-1]}")
+
+
+def pack_batch(groups: Sequence[Sequence[Sample]], advantages_B: np.ndarray, num_rows: int,
+               buckets: Sequence[int]) -> dict[str, np.ndarray]:
+  """Right-padded [prompt, response] rows; rows past the samples are empty (mask 0).
+
+  Keys (all [B, T] but `adv`, [B]): tokens (model inputs), targets (targets[:, t] =
+  tokens[:, t + 1], what the logits at t score), mask (1 where the target is a response
+  token), rollout (the engine's log-prob of that target), adv.
+  """
+  samples = [s for g in groups for s in g]
+  if len(samples) > num_rows:
+    raise ValueError(f"{len(samples)} samples do not fit in {num_rows} rows")
+  need = max((len(s.prompt.tokens) + len(s.tokens) for s in samples), default=1)
+  t = pick_bucket(need, buckets)
+  tokens_BxT = np.zeros((num_rows, t), np.int32)
+  targets_BxT = np.zeros((num_rows, t), np.int32)
+  mask_BxT = np.zeros((num_rows, t), np.float32)
+  rollout_BxT = np.zeros((num_rows, t), np.float32)
+  adv_B = np.zeros((num_rows,), np.float32)
+  for i, s in enumerate(samples):
+    p, r = len(s.prompt.tokens), len(s.tokens)
+    seq = np.concatenate([s.prompt.tokens, s.tokens])
+    tokens_BxT[i, :p + r] = seq
+    targets_BxT[i, :p + r - 1] = seq[1:]
+    mask_BxT[i, p - 1:p + r - 1] = 1.0
+    rollout_BxT[i, p - 1:p + r - 1] = s.logprobs
+    adv_B[i] = advantages_B[i]
+  return dict(tokens=tokens_BxT, targets=targets_BxT, mask=mask_BxT, rollout=rollout_BxT,
+              adv=adv_B)
+
+
+def accuracy(samples: Sequence[Sample]) -> float | None:
+  """Mean correctness of the samples whose reward has a correctness component."""
+  correct = [s.correct for s in samples if s.correct is not None]
+  return float(np.mean(correct)) if correct else None
+
+
+def rows_hash(prompts: Sequence[Prompt]) -> str:
+  """Short fingerprint of which examples a step saw (equal across resumed and fresh runs)."""
+  return hashlib.sha1(",".join(p.example.uid for p in prompts).encode()).hexdigest()[:12]
+
+
+def tokens_crc32(samples: Sequence[Sample]) -> str:
+  """Fingerprint of every sampled token: equal across runs iff they sampled the same tokens
+  (e.g. --spec=histospec vs --spec=none with the same seed)."""
+  sampled = b"".join(np.asarray(s.tokens, np.int32).tobytes() for s in samples)
+  return f"{zlib.crc32(sampled):08x}"

@@ -1,0 +1,67 @@
+"""rl/rollouts.py on its own: engine shapes, sampled and scored groups, history, metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import train_entry
+
+from rhyme_jax.config import parse_flags
+from rhyme_jax.data.datasets import Example
+from rhyme_jax.models.loading import load_model
+from rhyme_jax.rl.rewards import get_reward_fn
+from rhyme_jax.rl.rewards.scoring import Scorer
+from rhyme_jax.rl.rollouts import Rollouts, engine_config, rollout_metrics
+from rhyme_jax.rl.samples import Sample, encode_prompts, prompt_of
+
+
+def _config(*flags):
+  return parse_flags(["--run_dir=unused", "--group_size=4", "--prompts_per_step=2",
+                      "--max_prompt_len=64", "--max_new_tokens=6", "--temperature=1.0",
+                      "--draft_budget=4", *flags])
+
+
+def test_engine_config_shapes():
+  e = engine_config(_config(), eos_ids=(2,), drafting=True)
+  assert e.buckets == (8, 4, 2, 1) and e.budgets == (0, 4) and e.max_len == 70
+  assert engine_config(_config("--prompts_per_step=3"), (2,), False).buckets == (12, 8, 4, 2, 1)
+  assert engine_config(_config(), (2,), drafting=False).budgets == (0,)
+
+
+def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tokenizer):
+  tok = smollm2_tokenizer
+  model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
+  config = _config()
+  scorer = Scorer(tok, get_reward_fn("format"), config.rollout.max_new_tokens)
+  examples = [Example("a", "1+1?", "#### 2"), Example("b", "2+2?", "#### 4")]
+  prompts = encode_prompts(["one plus one", "two plus two"], examples, [0, 0], tok, 64)
+
+  rollouts = Rollouts(config, model, tok, scorer)  # one engine: compiled once
+  stats = {}
+  groups = rollouts.sample_round(prompts, 3, 0, stats)
+  assert [len(g) for g in groups] == [4, 4]
+  assert all(s.text == tok.decode(s.tokens) and s.reward in (0.0, 1.0) for g in groups for s in g)
+  assert len(rollouts.store) == 2  # each finished group recorded for the prompt's next visit
+  assert stats["tokens"] == sum(len(s.tokens) for g in groups for s in g)
+  # Request ids depend on (step, round, prompt, sample) only: the same step samples the same
+  # tokens (now with the first call's responses in the history to draft from), another does not.
+  again = rollouts.sample_round(prompts, 3, 0, {})
+  other = rollouts.sample_round(prompts, 4, 0, {})
+  flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
+  assert flat(again) == flat(groups) and flat(other) != flat(groups)
+
+
+def test_rollout_metrics():
+  p = prompt_of(Example("u", "q", "a"), [1, 2], epoch=1)
+  samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
+             Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
+  stats = {"rows": [p, p], "tokens": 3, "useful_slot_steps": 2, "steps": 2,
+           "draft_time_s": 0.0, "lookahead_time_s": 0.0, "ahead_hits": 1, "ahead_misses": 3,
+           "time/rollout": 1.5, "time/reward": 0.1}
+  m = rollout_metrics(samples, kept=1, stats=stats, prompts_per_step=1)
+  assert m["reward/mean"] == 0.5 and m["accuracy"] == 0.5
+  assert m["response_length/max"] == 2 and m["response_length/truncated_frac"] == 0.5
+  assert m["rollout/mean_accepted_length"] == 1.5  # 3 tokens in 2 useful slot-steps
+  assert m["rollout/forwards_per_token"] == 2 / 3
+  assert m["rollout/ahead_hit_rate"] == 0.25 and m["rollout/rounds"] == 2
+  assert m["data/epoch"] == 1 and m["rollout/tokens_per_s"] == 2.0

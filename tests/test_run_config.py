@@ -1,0 +1,84 @@
+"""Tests for rhyme_jax.run_config: fingerprint, field-by-field comparison, allowed changes."""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from rhyme_jax import run_config
+
+
+_CONFIG = {
+    "model": {"name": "smollm2-135m", "dtype": "float32"},
+    "rollout": {"temperature": 0.7, "max_new_tokens": 128},
+    "train": {"total_steps": 100, "log_every": 10, "lr": 1e-6},
+    "seed": 0,
+}
+
+
+def _with(config, **dotted):
+  out = json.loads(json.dumps(config))
+  for key, value in dotted.items():
+    node = out
+    *parents, leaf = key.split("__")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return out
+
+
+def test_run_config_write_check_and_allow_list(tmp_path):
+  path = run_config.write_run_config(tmp_path, _CONFIG)
+  assert json.loads(path.read_text())["fingerprint"] == run_config.config_fingerprint(_CONFIG)
+  assert run_config.check_run_config(tmp_path, _CONFIG) == []
+  changed = _with(_CONFIG, train__total_steps=200, train__log_every=5)
+  assert run_config.check_run_config(
+      tmp_path, changed, allow_changed=["train.total_steps", "train.log_every"]
+  ) == ["train.log_every", "train.total_steps"]
+  with pytest.raises(FileExistsError, match="run_config.json"):
+    run_config.write_run_config(tmp_path, changed)
+
+
+def test_mismatched_config_names_fields_and_writes_nothing(tmp_path):
+  run_config.write_run_config(tmp_path, _CONFIG)
+  before = (tmp_path / "run_config.json").read_bytes()
+  other = _with(_CONFIG, rollout__temperature=1.0, train__total_steps=300)
+  other["model"]["extra"] = 1
+  with pytest.raises(run_config.RunConfigMismatchError) as err:
+    run_config.ensure_run_config(tmp_path, other, allow_changed=["train.total_steps"])
+  msg = str(err.value)
+  assert "rollout.temperature: run dir has 0.7, new config has 1.0" in msg
+  assert "model.extra: run dir has <absent>, new config has 1" in msg
+  assert "total_steps" not in msg
+  assert str(tmp_path / "run_config.json") in msg
+  assert (tmp_path / "run_config.json").read_bytes() == before
+  assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
+
+
+def test_ensure_run_config_creates_then_updates_allowed(tmp_path):
+  run = tmp_path / "new_run"
+  assert run_config.ensure_run_config(run, _CONFIG) == []
+  assert run_config.read_run_config(run) == _CONFIG
+  changed = _with(_CONFIG, train__total_steps=500)
+  assert run_config.ensure_run_config(run, changed, allow_changed=["train"]) == [
+      "train.total_steps"]
+  assert run_config.read_run_config(run)["train"]["total_steps"] == 500
+  # Type changes count as changes (1 vs True).
+  with pytest.raises(run_config.RunConfigMismatchError, match="seed"):
+    run_config.check_run_config(run, _with(changed, seed=False))
+
+
+def test_dataclass_config_and_non_json_field(tmp_path):
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True)
+  class Cfg:
+    lr: float = 1e-3
+    out: pathlib.Path = pathlib.Path("/tmp/x")
+    fn: object = None
+
+  run_config.write_run_config(tmp_path, Cfg())
+  assert run_config.read_run_config(tmp_path) == {"lr": 1e-3, "out": "/tmp/x", "fn": None}
+  with pytest.raises(TypeError, match="'fn'"):
+    run_config.check_run_config(tmp_path, Cfg(fn=object()))
