@@ -151,11 +151,6 @@ def batch_spec(rank: int = 2) -> P:
   return P(BATCH, *([None] * (rank - 1)))
 
 
-def logits_spec() -> P:
-  """B×T×V logits: rows over the data axes, vocabulary over `tensor` (as the lm head yields)."""
-  return P(BATCH, None, "tensor")
-
-
 def shard_batch(x: Any, mesh: Mesh) -> Any:
   """Puts each array of `x` (a pytree) on the mesh, rows split over ('data', 'fsdp').
 

@@ -21,7 +21,7 @@ Engine protocol: `propose(queries)` before each step; `observe(request_id, group
 new_tokens, drafted, accepted)` after it; `finish` when a request ends; `end_group` when no
 further request of the group will run; optional `lookahead(queries)` (a deeper tree drafted
 while the device verifies; next step `DraftQuery.ahead` carries its continuation and `propose`
-takes it). Trainer: `record_group` per finished group, `begin_epoch` at epoch boundaries,
+takes it). Trainer: `record_group` per finished group (with its data epoch),
 `epoch_summary()` for per-epoch acceptance metrics.
 """
 
@@ -94,7 +94,6 @@ class HistoryDrafter:
     self.response_capacity = response_capacity
     self.compiled = compiled  # False: the readable reference (match_tree), query by query
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
-    self.epoch = 0
     self.arena = fast_draft.Arena()
     self.postings = fast_draft.Postings()  # of the past responses (static): no scan
     # prompt key -> (store version, its segments, their postings id)
@@ -108,16 +107,12 @@ class HistoryDrafter:
 
   # --- trainer side -------------------------------------------------------------------------
 
-  def begin_epoch(self, epoch: int) -> None:
-    """Marks an epoch boundary; `record_group` defaults to this epoch."""
-    self.epoch = int(epoch)
-
   def record_group(self, prompt_key: Hashable, responses: Sequence[Sequence[int]],
-                   rewards: Sequence[float] | None = None, epoch: int | None = None) -> None:
+                   rewards: Sequence[float] | None = None, epoch: int = 0) -> None:
     """Adds a finished group to the history store (drafts of later visits use it)."""
     if self.store is None:
       raise ValueError("HistoryDrafter.record_group: this drafter has no HistoryStore")
-    self.store.add_group(store_key(prompt_key), self.epoch if epoch is None else epoch,
+    self.store.add_group(store_key(prompt_key), epoch,
                          responses, rewards)
 
   def epoch_summary(self) -> dict[str, float]:

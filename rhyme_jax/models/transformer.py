@@ -121,7 +121,6 @@ class Block(nnx.Module):
 class Output(NamedTuple):
   logits_BxTxV: jax.Array  # float32
   cache: KVCache | None
-  hidden_BxTxD: jax.Array | None  # final-norm hidden states, when asked for
 
 
 class Transformer(nnx.Module):
@@ -139,7 +138,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, *,
                cache: KVCache | None = None, cache_len_B: jax.Array | None = None,
-               mask_BxTxT: jax.Array | None = None, return_hidden: bool = False) -> Output:
+               mask_BxTxT: jax.Array | None = None) -> Output:
     """Runs T new tokens per row.
 
     Without a cache the T tokens attend among themselves (`mask_BxTxT`, causal by default).
@@ -157,7 +156,7 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, positions_BxT, mask_BxTxT, cache, i, cache_len_B)
     hidden = self.final_norm(x)
-    return Output(self._logits(hidden), cache, hidden if return_hidden else None)
+    return Output(self._logits(hidden), cache)
 
   def _logits(self, hidden):
     if self.cfg.tie_word_embeddings:

@@ -124,8 +124,8 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"samples per step; {math.ceil(len(inputs.train_examples) / c.rl.prompts_per_step)} "
       "steps per epoch",
       f"reward: {inputs.reward_fn.name}; loss: {c.rl.loss}; advantage: {c.rl.advantage}",
-      f"rollout engine: batch buckets {eng.buckets}, draft budgets {eng.budgets}, max length "
-      f"{eng.max_len}, prefill chunk {eng.prefill_chunk}",
+      f"rollout engine: batch buckets {eng.buckets}, at most {eng.max_draft} draft nodes per "
+      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}",
       f"train step: sequence buckets {length_buckets(s)}, "
       f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
       f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "

@@ -522,6 +522,7 @@ class RolloutEngine:
           continue
         emitted = int(num_B[slot])
         lv.steps += 1
+        stats.useful_slot_steps += 1  # counted when read: a discarded pipelined row is not useful
         lv.drafted += drafted
         lv.accepted += emitted - 1
         stats.drafted += drafted
@@ -626,7 +627,6 @@ class RolloutEngine:
       stats.spec_steps += t > 1
       stats.steps_by_shape[shape] += 1
       stats.slot_steps += bucket
-      stats.useful_slot_steps += len(live_idx)
       stats.positions += p
       stats.live_positions += len(live_idx) + sum(counts)
       stats.trace.append((bucket, p, len(live_idx), len(queue)))

@@ -115,16 +115,14 @@ def test_history_and_siblings_merge_and_record_group_invalidates():
   old = list(range(200, 260))
   store = HistoryStore()
   drafter = HistoryDrafter(store, max_budget=8)
-  drafter.begin_epoch(0)
-  drafter.record_group(KEY, [old], [1.0])
+  drafter.record_group(KEY, [old], [1.0], epoch=0)
   tree, = drafter.propose([query(old[:10])])
   np.testing.assert_array_equal(tree.tokens[:8], old[10:18])
   assert drafter.stats["history_index_builds"] == 1
   drafter.propose([query(old[:11])])
   assert drafter.stats["history_index_builds"] == 1  # cached
-  drafter.begin_epoch(1)
   new = old[:30] + [1, 2, 3]
-  drafter.record_group(KEY, [new])  # epochs_kept=1: epoch 0 is replaced
+  drafter.record_group(KEY, [new], epoch=1)  # epochs_kept=1: epoch 0 is replaced
   assert [g.epoch for g in store.get(KEY)] == [1]
   tree, = drafter.propose([query(old[:25], request_id=3)])
   assert drafter.stats["history_index_builds"] == 2
