@@ -27,7 +27,7 @@ from absl import flags
 # import graph and loads no JAX), so each list that mirrors a registry or constant elsewhere is
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
-DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.engine.DRAFT_MODES
+DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
