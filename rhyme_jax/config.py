@@ -28,6 +28,7 @@ from absl import flags
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
 DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
+SCHEDULES = ("fifo", "history", "alternate", "probe")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
@@ -37,7 +38,8 @@ ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory (everything else must match).
-RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
+# The admission order never changes what is sampled, so it may change too.
+RESUMABLE_CHANGES = ("rollout.schedule", "run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every")
 
 
@@ -63,6 +65,7 @@ class RolloutOptions:
   draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
+  schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +166,12 @@ _FLAGS = {
          "drafts are right; at the acceptance fresh-seed RL rollouts showed it did not "
          "(bench/RESULTS.md). Drafts never change what is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
+        ("schedule", "fifo", "Rollout admission order: 'fifo' (data order), 'history' (longest "
+         "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
+         "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
+         "or 'probe' (Seer: each group's first sample first, then the group with the longest "
+         "finished sibling; probes ordered by history where it exists). Never changes what "
+         "is sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -301,6 +310,7 @@ def validate(c: Config) -> None:
     raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
+  _one_of("schedule", r.schedule, SCHEDULES)
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)

@@ -4,7 +4,8 @@
 
   samples.py          prompts, samples and the train step's sequence layout
   rollouts.py         prompts x G samples through the `RolloutEngine` (HistoSpec drafts from
-                      the previous epoch's responses when `--spec=histospec`), scored
+                      the previous epoch's responses when `--spec=histospec`; admitted in the
+                      `--schedule` order, scheduling/), scored
   rewards/scoring.py  decoded responses -> reward, correctness, DAPO overlong penalty
   learner.py          advantages, old / reference log-probs, `ppo_epochs` jitted updates
 
@@ -125,7 +126,8 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       "steps per epoch",
       f"reward: {inputs.reward_fn.name}; loss: {c.rl.loss}; advantage: {c.rl.advantage}",
       f"rollout engine: batch buckets {eng.buckets}, at most {eng.max_draft} draft nodes per "
-      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}",
+      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
+      f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
       f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
       f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "
