@@ -66,6 +66,7 @@ class RolloutOptions:
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
   schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
+  rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,10 @@ _FLAGS = {
          "or 'probe' (Seer: each group's first sample first, then the group with the longest "
          "finished sibling; probes ordered by history where it exists). Never changes what "
          "is sampled."),
+        ("rollout_slots", 0, "Requests decoded at once (the rollout engine's largest batch "
+         "bucket, e.g. what the KV cache memory allows); 0 = all group_size x prompts_per_step "
+         "samples of a step at once. With fewer slots than samples, requests wait for a slot and "
+         "--schedule decides which goes first."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -311,6 +316,7 @@ def validate(c: Config) -> None:
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
   _one_of("schedule", r.schedule, SCHEDULES)
+  _at_least("rollout_slots", r.rollout_slots, 0)
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)

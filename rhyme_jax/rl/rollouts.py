@@ -35,9 +35,10 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "loo
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
-  """Batch buckets: the step's sample count and the powers of two below it."""
+  """Batch buckets: the step's sample count (or `--rollout_slots` when fewer) and the powers
+  of two below it."""
   c = config
-  b = c.rl.samples_per_step
+  b = min(c.rollout.rollout_slots or c.rl.samples_per_step, c.rl.samples_per_step)
   buckets = sorted({b} | {2**k for k in range(b.bit_length()) if 2**k < b}, reverse=True)
   return EngineConfig(
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),

@@ -111,9 +111,10 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
   bytes_per = 2 if c.model.param_dtype == "bfloat16" else 4
   # params + grads + two Adam moments (+ a frozen reference copy with a KL penalty)
   copies = 4 + (1 if c.rl.kl_beta > 0 else 0)
-  b, s = c.rl.samples_per_step, c.rollout.max_prompt_len + c.rollout.max_new_tokens
-  kv_bytes = 2 * m.num_layers * b * s * m.num_kv_heads * h * bytes_per
   eng = engine_config(c, inputs.tokenizer.stop_ids, c.rollout.spec == "histospec")
+  b, s = max(eng.buckets), c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  n = c.rl.samples_per_step
+  kv_bytes = 2 * m.num_layers * b * s * m.num_kv_heads * h * bytes_per
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   lines = [
       f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.default_backend()} device(s)",
@@ -129,7 +130,7 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
       f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
-      f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
+      f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
       f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "
       f"({copies} parameter-sized copies), KV cache {gib(kv_bytes)}",
       f"run dir: {c.run.run_dir} ({'resumes' if (Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "

@@ -26,6 +26,8 @@ def test_engine_config_shapes():
   assert e.buckets == (8, 4, 2, 1) and e.max_draft == 4 and e.max_len == 70
   assert engine_config(_config("--prompts_per_step=3"), (2,), False).buckets == (12, 8, 4, 2, 1)
   assert engine_config(_config(), (2,), drafting=False).max_draft == 0
+  assert engine_config(_config("--rollout_slots=3"), (2,), False).buckets == (3, 2, 1)
+  assert engine_config(_config("--rollout_slots=64"), (2,), False).buckets == (8, 4, 2, 1)
 
 
 def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tokenizer):
