@@ -59,7 +59,7 @@ class Rollouts:
     self.predictor = (LengthPredictor(StoreLengths(self.store))
                       if c.rollout.schedule != "fifo" else None)
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
-                    if self.store is not None else None)
+                    if c.rollout.spec == "histospec" else None)
     self.engine = RolloutEngine(model, engine_config(c, tokenizer.stop_ids, self.drafter is not None),
                                 self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,

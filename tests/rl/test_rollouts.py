@@ -67,6 +67,7 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
     config = _config("--spec=none", f"--schedule={schedule}", "--prompts_per_step=3")
     rollouts = Rollouts(config, model, tok, Scorer(tok, get_reward_fn("format"), 6))
     assert (rollouts.store is None) == (schedule == "fifo")
+    assert rollouts.drafter is None and rollouts.engine.config.max_draft == 0  # no speculation
     stats = {}
     first = rollouts.sample_round(prompts, 1, 0, stats)
     assert stats["time/rollout_makespan"] >= stats["time/rollout_tail"] >= 0.0
