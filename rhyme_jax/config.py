@@ -36,9 +36,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.losses.KL_ESTIMATORS
 ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
-# Fields that may differ when resuming a run directory (everything else must match).
+# Fields that may differ when resuming a run directory or between its processes (each has its
+# own --process_id); everything else must match.
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
-                     "run.eval_every", "run.eval_size", "run.log_every")
+                     "run.eval_every", "run.eval_size", "run.log_every", "distributed")
 
 
 class ConfigError(ValueError):
@@ -123,6 +124,14 @@ class RunOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedOptions:
+  """Multi-process start-up off TPU (multi-node GPU, CPU); a TPU pod slice needs none of it."""
+  coordinator_address: str  # host:port of process 0; '' = single process or the environment
+  num_processes: int  # 0 = from the environment
+  process_id: int  # -1 = from the environment
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelOptions
   rollout: RolloutOptions
@@ -130,6 +139,7 @@ class Config:
   data: DataOptions
   mesh: MeshOptions
   run: RunOptions
+  distributed: DistributedOptions
 
   @property
   def reward_name(self) -> str:
@@ -180,8 +190,8 @@ _FLAGS = {
         ("advantage", "grpo", f"Advantage estimator: {', '.join(ADVANTAGES)}."),
         ("normalize_std", True, "Divide group-centred rewards by the group std."),
         ("ppo_epochs", 1, "Optimisation epochs over each rollout batch."),
-        ("micro_batch_size", 0, "Samples per gradient micro-batch (0 = whole batch); must "
-         "divide group_size * prompts_per_step."),
+        ("micro_batch_size", 0, "Samples per gradient micro-batch and process (0 = whole "
+         "batch); must divide group_size * prompts_per_step."),
         ("dynamic_sampling", False, "Drop groups whose rewards are all equal and refill from "
          "the next prompts (DAPO)."),
         ("dynamic_sampling_max_rounds", 3, "Rollout rounds per step at most when refilling."),
@@ -215,6 +225,13 @@ _FLAGS = {
         ("eval_size", 32, "Held-out examples per evaluation."),
         ("log_every", 1, "Print progress every N steps."),
     ],
+    DistributedOptions: [
+        ("coordinator_address", "", "host:port of process 0, the same for every process of a "
+         "multi-process run off TPU; empty = one process, or what the launcher says (TPU pod "
+         "slice, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)."),
+        ("num_processes", 0, "Processes of the run (0 = from the launcher)."),
+        ("process_id", -1, "This process's index in [0, --num_processes) (-1 = launcher's)."),
+    ],
 }
 _MESH_FLAG = {"data": "mesh_data", "fsdp": "mesh_fsdp", "tensor": "mesh_tensor"}
 
@@ -246,7 +263,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> Config:
   for group, entries in _FLAGS.items():
     parts[group] = group(**{name: fv[_flag_name(group, name)].value for name, _, _ in entries})
   config = Config(model=parts[ModelOptions], rollout=parts[RolloutOptions], rl=parts[RLOptions],
-                  data=parts[DataOptions], mesh=parts[MeshOptions], run=parts[RunOptions])
+                  data=parts[DataOptions], mesh=parts[MeshOptions], run=parts[RunOptions],
+                  distributed=parts[DistributedOptions])
   validate(config)
   return config
 
@@ -354,11 +372,26 @@ def validate(c: Config) -> None:
   _at_least("eval_every", run.eval_every, 0)
   _at_least("eval_size", run.eval_size, 1)
   _at_least("log_every", run.log_every, 1)
+  _validate_distributed(c.distributed)
   # Request ids (int32) are step * ids_per_step + offset: keep them in range.
   if (run.num_steps + 1) * ids_per_step(c) >= 2**31:
     _fail("num_steps", run.num_steps, f"fewer steps: request ids run past 2^31 with "
           f"{ids_per_step(c)} ids per step (lower --prompts_per_step, --group_size or "
           "--dynamic_sampling_max_rounds)")
+
+
+def _validate_distributed(dist: DistributedOptions) -> None:
+  """The flags alone (`rhyme_jax.parallel.distributed_settings` adds the environment)."""
+  host, _, port = (address := dist.coordinator_address).rpartition(":")
+  if address and not (host and port.isdigit() and 0 < int(port) < 65536):
+    _fail("coordinator_address", address, "host:port (process 0's address and a free port)")
+  _at_least("num_processes", dist.num_processes, 0)
+  _at_least("process_id", dist.process_id, -1)
+  if (dist.process_id >= 0) != (dist.num_processes > 0):  # both or neither
+    _fail("num_processes", f"{dist.num_processes} --process_id={dist.process_id}",
+          "both (each process its own id in [0, num_processes)) or neither")
+  if dist.num_processes and dist.process_id >= dist.num_processes:
+    _fail("process_id", dist.process_id, f"an index in [0, --num_processes={dist.num_processes})")
 
 
 def ids_per_step(c: Config) -> int:

@@ -70,11 +70,27 @@ def test_quickstart_is_small():
     ("--mesh_fsdp=0", "--mesh_fsdp=0: expected an integer >= 1, or -1"),
     ("--num_steps=0", "--num_steps=0: expected an integer >= 1"),
     ("--learning_rate=-1", "--learning_rate=-1.0: expected a finite number > 0"),
+    ("--coordinator_address=10.0.0.1", "--coordinator_address=10.0.0.1: expected host:port"),
+    ("--coordinator_address=h:99999", "--coordinator_address=h:99999: expected host:port"),
+    ("--num_processes=2", "--num_processes=2 --process_id=-1: expected both"),
+    ("--process_id=0", "--num_processes=0 --process_id=0: expected both"),
+    ("--num_processes=-1", "--num_processes=-1: expected an integer >= 0"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:
     parse_flags(["--run_dir=/tmp/r", flag])
   assert message in str(e.value)
+
+
+def test_distributed_flags():
+  c = parse_flags(["--run_dir=/tmp/r", "--coordinator_address=10.0.0.1:1234",
+                   "--num_processes=4", "--process_id=3"]).distributed
+  assert (c.coordinator_address, c.num_processes, c.process_id) == ("10.0.0.1:1234", 4, 3)
+  with pytest.raises(ConfigError, match=r"^--process_id=4: expected an index in \[0, "
+                     r"--num_processes=4\)$"):
+    parse_flags(["--run_dir=/tmp/r", "--num_processes=4", "--process_id=4"])
+  default = parse_flags(["--run_dir=/tmp/r"]).distributed
+  assert (default.coordinator_address, default.num_processes, default.process_id) == ("", 0, -1)
 
 
 def test_unparsable_and_unknown_flags():

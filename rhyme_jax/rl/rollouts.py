@@ -1,11 +1,12 @@
 """Rollout orchestration: prompts -> engine requests -> scored sample groups.
 
 `Rollouts` owns the engine, the sampling parameters and (with `--spec=histospec`) the history
-drafter. `sample_round` samples G responses for a batch of prompts and records every finished
-group in the history store, so the prompt's next visit drafts from it; `evaluate` decodes
-held-out prompts greedily. Request ids are a function of (step, round, prompt, sample) and the
+drafter. `sample_round` samples G responses for a batch of prompts; `record` adds finished
+groups to the history store (every host's, in process order, so the store is the same on all
+hosts and a prompt's next visit drafts from it wherever it lands); `evaluate` decodes held-out
+prompts greedily. Request ids are a function of (step, round, process, prompt, sample) and the
 engine's sampling keys of (seed, request id, position), so a resumed run samples the same
-tokens as one that never stopped.
+tokens as one that never stopped, and no two hosts share sampling noise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from rhyme_jax.config import Config, ids_per_step
 from rhyme_jax.history.drafter import HistoryDrafter
 from rhyme_jax.history.store import HistoryStore
 from rhyme_jax.rl.rewards.scoring import Scorer
-from rhyme_jax.rl.samples import Prompt, Sample, accuracy, rows_hash, tokens_crc32
+from rhyme_jax.rl.samples import (GroupRecord, Prompt, Sample, accuracy, rows_hash,
+                                  tokens_crc32)
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
 
@@ -41,12 +43,23 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       eos_ids=tuple(eos_ids), seed=c.run.seed)
 
 
-class Rollouts:
-  """Samples and scores groups of responses with the rollout engine."""
+def request_base(config: Config, step: int, round_idx: int, process_index: int = 0,
+                 process_count: int = 1) -> int:
+  """First request id of a process's round: ids run over (step, round, process, sample), so a
+  run of P processes with N prompts each samples what one process with P * N prompts would."""
+  rounds = ids_per_step(config) // config.rl.samples_per_step
+  return ((step * rounds + round_idx) * process_count + process_index) * \
+      config.rl.samples_per_step
 
-  def __init__(self, config: Config, model, tokenizer, scorer: Scorer):
+
+class Rollouts:
+  """Samples and scores groups of responses with the rollout engine (this host's)."""
+
+  def __init__(self, config: Config, model, tokenizer, scorer: Scorer, process_index: int = 0,
+               process_count: int = 1):
     c = config
     self.config = config
+    self.process_index, self.process_count = process_index, process_count
     self.scorer = scorer
     self.store = HistoryStore() if c.rollout.spec == "histospec" else None
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
@@ -71,10 +84,9 @@ class Rollouts:
 
   def sample_round(self, prompts: Sequence[Prompt], step: int, round_idx: int,
                    stats: dict[str, Any]) -> list[list[Sample]]:
-    """G scored responses per prompt; each group is recorded in the history store."""
+    """G scored responses per prompt (`record` adds them to the history store)."""
     c = self.config
-    stats.setdefault("rows", []).extend(prompts)
-    base = step * ids_per_step(c) + round_idx * c.rl.samples_per_step
+    base = request_base(c, step, round_idx, self.process_index, self.process_count)
     t0 = time.perf_counter()
     results = self.engine.generate(self._requests(prompts, base, self.sampling,
                                                   (step, round_idx)))
@@ -92,16 +104,21 @@ class Rollouts:
         group.append(Sample(p, r.tokens, r.logprobs, r.finish_reason))
       self.scorer.score_group(group)
       if self.drafter is not None:
-        self.drafter.record_group(p.key, [x.tokens for x in group], [x.reward for x in group],
-                                  epoch=p.epoch)
         self.drafter.end_group(((step, round_idx), i))
       groups.append(group)
     stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
     return groups
 
-  def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, float]:
-    """Greedy decoding of held-out prompts: mean reward and accuracy."""
-    t0 = time.perf_counter()
+  def record(self, records: Sequence[GroupRecord]) -> None:
+    """Adds finished groups to the history store, in order (drafts of later visits use them)."""
+    if self.drafter is None:
+      return
+    for r in records:
+      self.drafter.record_group(r.key, r.responses, r.rewards, epoch=r.epoch)
+
+  def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, list]:
+    """Greedy decoding of held-out prompts: per-prompt reward, response length, correctness
+    (`eval_metrics` turns every host's lists into the logged means)."""
     results = self.engine.generate(self._requests(prompts, 0, self.greedy, ("eval", step)))
     samples = [Sample(p, r.tokens, r.logprobs, r.finish_reason) for p, r in zip(prompts, results)]
     for s in samples:
@@ -109,33 +126,41 @@ class Rollouts:
     if self.drafter is not None:
       for i in range(len(prompts)):
         self.drafter.end_group((("eval", step), i))
-    out = {"eval/reward": float(np.mean([s.reward for s in samples])),
-           "eval/response_length": float(np.mean([len(s.tokens) for s in samples])),
-           "time/eval": time.perf_counter() - t0}
-    acc = accuracy(samples)
-    if acc is not None:
-      out["eval/accuracy"] = acc
-    return out
+    return {"reward": [float(s.reward) for s in samples],
+            "length": [len(s.tokens) for s in samples], "correct": [s.correct for s in samples]}
 
 
-def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
+def eval_metrics(parts: Sequence[dict[str, list]], seconds: float) -> dict[str, float]:
+  """Mean reward, response length and accuracy over every host's `Rollouts.evaluate` lists."""
+  join = lambda k: [x for part in parts for x in part[k]]
+  out = {"eval/reward": float(np.mean(join("reward"))),
+         "eval/response_length": float(np.mean(join("length"))), "time/eval": seconds}
+  acc = accuracy(join("correct"))
+  if acc is not None:
+    out["eval/accuracy"] = acc
+  return out
+
+
+def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, Any],
                     prompts_per_step: int) -> dict[str, Any]:
-  """What a step's rollouts did: rewards, lengths, speculation and timing."""
+  """What a step's rollouts did (every host's groups, in order): rewards, lengths, speculation
+  and timing. `prompts_per_step` counts all hosts' prompts of one round."""
   m: dict[str, Any] = {}
-  rewards = np.array([s.reward for s in samples])
-  lengths = np.array([len(s.tokens) for s in samples])
+  responses = [r for g in records for r in g.responses]
+  rewards = np.array([x for g in records for x in g.rewards])
+  lengths = np.array([len(r) for r in responses])
   m["reward/mean"] = float(rewards.mean())
   m["reward/std"] = float(rewards.std())
-  acc = accuracy(samples)
+  acc = accuracy([x for g in records for x in g.correct])
   if acc is not None:
     m["accuracy"] = acc
   m["response_length/mean"] = float(lengths.mean())
   m["response_length/max"] = int(lengths.max())
-  m["rollout/tokens_crc32"] = tokens_crc32(samples)
-  m["response_length/truncated_frac"] = float(np.mean([s.finish_reason == "length"
-                                                       for s in samples]))
-  rows = stats["rows"]
-  m["rollout/rounds"] = len(rows) // prompts_per_step
+  m["rollout/tokens_crc32"] = tokens_crc32(responses)
+  m["response_length/truncated_frac"] = float(np.mean([f == "length" for g in records
+                                                       for f in g.finish]))
+  m["rollout/samples"] = len(responses)
+  m["rollout/rounds"] = len(records) // prompts_per_step
   m["rollout/groups_kept"] = kept
   m["rollout/tokens_per_s"] = stats["tokens"] / max(stats["time/rollout"], 1e-9)
   m["rollout/mean_accepted_length"] = stats["tokens"] / max(stats["useful_slot_steps"], 1)
@@ -147,6 +172,14 @@ def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
       stats["ahead_hits"] + stats["ahead_misses"], 1)
   m["time/rollout"] = stats["time/rollout"]
   m["time/reward"] = stats["time/reward"]
-  m["data/epoch"] = int(max(p.epoch for p in rows))
-  m["data/batch_hash"] = rows_hash(rows)
+  m["data/epoch"] = int(max(g.epoch for g in records))
+  m["data/batch_hash"] = rows_hash([g.uid for g in records])
   return m
+
+
+def combine_stats(per_host: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Hosts' rollout counters summed; their wall times (they ran side by side) the longest."""
+  out = {k: sum(h.get(k, 0) for h in per_host) for k in _ENGINE_COUNTERS}
+  for k in ("time/rollout", "time/reward"):
+    out[k] = max(h.get(k, 0.0) for h in per_host)
+  return out
