@@ -196,4 +196,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "sequence buckets (64, 128, 132)" in out
   assert "memory" in out and "GiB" in out
   assert "data: 4 train examples (arithmetic)" in out
+  assert "processes: one" in out
   assert not (tmp_path / "run").exists()
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
+                  "--coordinator_address=10.0.0.1:8476", "--num_processes=4", "--process_id=0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout

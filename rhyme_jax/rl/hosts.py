@@ -42,7 +42,8 @@ def share_step(records: Sequence[GroupRecord], stats: dict[str, Any], kept: int)
   """Exchanges this host's sampled groups, counters and kept count with every other host."""
   if jax.process_count() == 1:
     return SharedStep(list(records), dict(stats), kept)
-  mine = {"records": [r.to_json() for r in records], "stats": stats, "kept": kept}
+  plain = {k: v.item() if hasattr(v, "item") else v for k, v in stats.items()}
+  mine = {"records": [r.to_json() for r in records], "stats": plain, "kept": kept}
   hosts = multihost.allgather_json(mine)
   return SharedStep([GroupRecord.from_json(r) for h in hosts for r in h["records"]],
                     combine_stats([h["stats"] for h in hosts]), sum(h["kept"] for h in hosts))

@@ -63,7 +63,8 @@ class GroupRecord:
   def of(cls, group: Sequence[Sample]) -> "GroupRecord":
     p = group[0].prompt
     return cls(p.example.uid, p.key, p.epoch, [np.asarray(s.tokens, np.int32) for s in group],
-               [float(s.reward) for s in group], [s.correct for s in group],
+               [float(s.reward) for s in group],
+               [None if s.correct is None else float(s.correct) for s in group],
                [s.finish_reason for s in group])
 
   def to_json(self) -> dict:

@@ -19,9 +19,9 @@ prompts on its own host-local engine; training is one global program.
 
 Inputs are checked (`check_inputs`) before anything is written. Resumption: every process's
 data-iterator state, parameters, optimiser state and history store ride in the checkpoint;
-the RNG "state"
-is the seed itself (sampling keys are functions of seed, request id and position), so a
-resumed run samples what an uninterrupted one would. SIGTERM saves at the next step boundary.
+the RNG "state" is the seed itself (sampling keys are functions of seed, request id and
+position), so a resumed run samples what an uninterrupted one would. SIGTERM (to any process)
+saves at the next step boundary.
 """
 
 from __future__ import annotations
@@ -145,10 +145,21 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
       f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "
       f"({copies} parameter-sized copies), KV cache {gib(kv_bytes)}",
+      f"processes: {_describe_processes(inputs.distributed)}",
       f"run dir: {c.run.run_dir} ({'resumes' if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
   ]
   return "\n".join(lines)
+
+
+def _describe_processes(settings: dict[str, Any] | None) -> str:
+  if settings is None:
+    return "one"
+  if not settings:
+    return "several, placed by the launcher (TPU pod slice, SLURM or Open MPI)"
+  return (f"{settings.get('num_processes', 'launcher-given')} meeting at "
+          f"{settings.get('coordinator_address', 'the TPU coordinator')}; rollout on each "
+          "process's own devices")
 
 
 class Trainer:

@@ -1,10 +1,11 @@
-"""One process of a multi-process test run (tests/rl/test_multihost.py).
+"""One process of a multi-process test run (tests/rl/test_trainer_multihost.py).
 
   python tests/rl/multihost_entry.py LOG_DIR --flags...   (the run's flags, --process_id etc.)
 
 Runs `Trainer(config).run()` as `rhyme_jax.main` would, and records what this process did in
 LOG_DIR/process<I>.jsonl, one line per event, flushed at once (a SIGKILL loses nothing
-written): `batch` (the prompt-stream positions each `next()` of the data iterator gave),
+written): `batch` (the prompt-stream positions, example uids and epochs each `next()` of the data
+iterator gave),
 `generate` (request ids, response lengths and decode steps of each engine call), `train` (the
 (uid, epoch) of every sample this process trained on). Wrappers only observe: each calls the
 real method and returns its result. At the end it saves this host's rollout policy replica to
@@ -27,7 +28,8 @@ class _LoggedIterator:
 
   def __next__(self):
     batch = next(self.inner)
-    self.emit(kind="batch", step=self.trainer.step, positions=list(batch.positions))
+    self.emit(kind="batch", step=self.trainer.step, positions=list(batch.positions),
+              uids=list(batch.uids), epochs=list(batch.epochs))
     return batch
 
   def get_state(self):
@@ -60,7 +62,8 @@ def main(log_dir: str, argv: list[str]) -> None:
 
   def logged_generate(requests):
     results = generate(requests)
-    emit(kind="generate", step=t.step, greedy=requests[0].params.temperature == 0,
+    emit(kind="generate", step=t.step,
+         greedy=bool(requests) and requests[0].params.temperature == 0,
          ids=[r.request_id for r in requests], lengths=[len(r.tokens) for r in results],
          decode_steps=engine.stats.steps, spec_steps=engine.stats.spec_steps)
     return results
