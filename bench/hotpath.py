@@ -126,8 +126,8 @@ def main(argv=None):
         "Plain decoding on CPU: engine before/after the hot path vs transformers.generate", table,
         notes=["SmolLM2-135M-Instruct (GGUF dequantized), float32, greedy, "
                f"{args.new_tokens} forced new tokens after {PROMPT_LEN}-token prompts; best of 2",
-               "before = the --old checkout (main before the hot-path merge), after = this tree (plain steps pipelined: step n+1 dispatched "
-               "before step n is read)",
+               "before = the --old checkout (main before the hot-path merge), after = this tree "
+               "(plain steps pipelined: step n+1 dispatched before step n is read)",
                "tok per CPU-s: tokens over the process's CPU time (all threads), less sensitive "
                "than wall time to other jobs on a shared machine",
                "machine shared with other jobs (2 cores): compare ratios within this run only"])
