@@ -38,7 +38,7 @@ ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory (everything else must match).
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
-                     "run.eval_every", "run.eval_size", "run.log_every")
+                     "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib")
 
 
 class ConfigError(ValueError):
@@ -120,6 +120,7 @@ class RunOptions:
   eval_every: int  # 0 = no periodic evaluation
   eval_size: int
   log_every: int
+  device_memory_gib: float  # 0 = what the device reports (CPUs report nothing: no check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,9 @@ _FLAGS = {
         ("eval_every", 0, "Greedy evaluation every N steps (0 = off)."),
         ("eval_size", 32, "Held-out examples per evaluation."),
         ("log_every", 1, "Print progress every N steps."),
+        ("device_memory_gib", 0.0, "Memory per device in GiB that the run must fit (checked at "
+         "start against an estimate of parameters, optimiser state, activations and KV cache; "
+         "0 = what the device reports, no check where it reports nothing)."),
     ],
 }
 _MESH_FLAG = {"data": "mesh_data", "fsdp": "mesh_fsdp", "tensor": "mesh_tensor"}
@@ -354,6 +358,7 @@ def validate(c: Config) -> None:
   _at_least("eval_every", run.eval_every, 0)
   _at_least("eval_size", run.eval_size, 1)
   _at_least("log_every", run.log_every, 1)
+  _at_least("device_memory_gib", run.device_memory_gib, 0.0)
   # Request ids (int32) are step * ids_per_step + offset: keep them in range.
   if (run.num_steps + 1) * ids_per_step(c) >= 2**31:
     _fail("num_steps", run.num_steps, f"fewer steps: request ids run past 2^31 with "

@@ -183,3 +183,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "memory" in out and "GiB" in out
   assert "data: 4 train examples (arithmetic)" in out
   assert not (tmp_path / "run").exists()
+
+
+def test_config_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, tiny_model):
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--device_memory_gib=0.000001")
+  assert_one_line_error(proc, 2, "does not fit in --device_memory_gib", "parameters",
+                        "optimiser state", "KV cache")
+  assert not (tmp_path / "run").exists()
