@@ -193,7 +193,7 @@ def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Arra
                    kv_len_B: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array,
                    mask_PxW: jax.Array, *, max_kv_len: int | None = None,
                    max_q_len: int | None = None, sm_scale: float | None = None,
-                   impl: str = "xla") -> jax.Array:
+                   impl: str = "xla", layer: int | None = None) -> jax.Array:
   """Attention of packed tree tokens over their rows' caches (the ATTENTION CONTRACT).
 
   Row b's tokens sit at packed indices [q_start_B[b], q_start_B[b] + q_len_B[b]); its i-th
@@ -203,14 +203,16 @@ def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Arra
   `impl` (static, one of IMPLS) picks the XLA path below or a Pallas kernel, which reads only
   each row's live KV (max_kv_len is then unused: nothing past kv_len + q_len is read). A kernel
   that cannot take the traced shapes falls back to the XLA path with one logged warning.
+  With `layer` (static), k and v are the stacked L×B×S×K×H cache and that layer is attended: the
+  kernels read it in place (slicing a layer out for them would copy all of it every step).
   """
   if impl not in IMPLS:
     raise ValueError(f"tree_attention: impl={impl!r} is not one of {IMPLS}")
   if impl != "xla":
     kernel, _, interpret = impl.partition("_")
     p, n, h = q_PxNxH.shape
-    why = kernel_unsupported(kernel, num_heads=n, num_kv_heads=k_BxSxKxH.shape[2], head_dim=h,
-                             cache_len=k_BxSxKxH.shape[1], dtype=q_PxNxH.dtype)
+    why = kernel_unsupported(kernel, num_heads=n, num_kv_heads=k_BxSxKxH.shape[-2], head_dim=h,
+                             cache_len=k_BxSxKxH.shape[-3], dtype=q_PxNxH.dtype)
     if why is None and jnp.dtype(k_BxSxKxH.dtype) != jnp.dtype(q_PxNxH.dtype):
       why = f"cache dtype {k_BxSxKxH.dtype} differs from query dtype {q_PxNxH.dtype}"
     if why is None:
@@ -218,8 +220,10 @@ def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Arra
       t = min(max_q_len or 32 * w, 32 * w, p)
       return kernel_dispatch.tree_attention(
           q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW,
-          sm_scale=sm_scale, max_q_len=t, impl=kernel, interpret=bool(interpret))
+          sm_scale=sm_scale, max_q_len=t, impl=kernel, interpret=bool(interpret), layer=layer)
     _warn_once(_fallback_message(impl, why))
+  if layer is not None:
+    k_BxSxKxH, v_BxSxKxH = k_BxSxKxH[layer], v_BxSxKxH[layer]
   return _xla_tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B,
                              mask_PxW, max_kv_len=max_kv_len, max_q_len=max_q_len,
                              sm_scale=sm_scale)

@@ -153,11 +153,12 @@ def test_unsupported_shape_falls_back_with_the_reason(tiny_model, caplog):
   kv = [jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32) for _ in range(2)]
   args = (q, *kv, jnp.array([5, 9]), jnp.array([0, 2]), jnp.array([2, 2]),
           jnp.array([[1], [3], [1], [3]], jnp.uint32))
+  run = lambda impl: jax.jit(lambda *a: attention.tree_attention(*a, max_q_len=2, impl=impl))
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger=LOGGER):
-    out = attention.tree_attention(*args, max_q_len=2, impl="gpu_interpret")
+    out = run("gpu_interpret")(*args)
   assert "attention='gpu_interpret' uses the XLA path" in caplog.text
-  np.testing.assert_array_equal(out, attention.tree_attention(*args, max_q_len=2))
+  np.testing.assert_array_equal(out, run("xla")(*args))
 
 
 @pytest.mark.parametrize("max_len", [2, 32, 64, 96, 352, 1000, 4096, 16384])
@@ -176,3 +177,11 @@ def test_cache_lengths_are_kernel_shapes(max_len, max_draft):
       for n, kv, h in ((9, 3, 64), (28, 4, 128)):
         assert attention.kernel_unsupported(kernel, num_heads=n, num_kv_heads=kv, head_dim=h,
                                             cache_len=s, dtype=dtype) is None
+
+
+def test_engine_attention_bench_stops_on_cpu_with_one_line():
+  """bench/engine_attention.py needs a kernel backend (or --smoke): on CPU it says so and
+  exits before building anything."""
+  from bench import engine_attention
+  with pytest.raises(SystemExit, match="the 'cpu' backend has no Pallas kernel"):
+    engine_attention.main(["--no_append"])
