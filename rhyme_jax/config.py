@@ -28,6 +28,9 @@ from absl import flags
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
 DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
+# Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
+# (CPU tests). The one source: models.attention and the engine config import it.
+ATTENTIONS = ("xla", "pallas", "pallas_interpret")
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
@@ -37,8 +40,10 @@ ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory (everything else must match).
+# rollout.attention: the same attention computed by another implementation (as on other hardware).
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
-                     "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib")
+                     "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
+                     "rollout.attention")
 
 
 class ConfigError(ValueError):
@@ -63,6 +68,7 @@ class RolloutOptions:
   draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
+  attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +170,10 @@ _FLAGS = {
          "drafts are right; at the acceptance fresh-seed RL rollouts showed it did not "
          "(bench/RESULTS.md). Drafts never change what is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
+        ("attention", "xla", f"Decode attention: {', '.join(ATTENTIONS)}. 'pallas' runs the "
+         "Pallas kernel of the backend (TPU: Mosaic, GPU: Triton), reading only each row's "
+         "live KV; on CPU or a shape the kernel cannot take it uses the XLA path and logs "
+         "why, once. 'pallas_interpret' runs the kernel interpreted (slow; CPU tests)."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -305,6 +315,7 @@ def validate(c: Config) -> None:
     raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
+  _one_of("attention", r.attention, ATTENTIONS)
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)

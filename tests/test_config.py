@@ -51,6 +51,7 @@ def test_quickstart_is_small():
 @pytest.mark.parametrize("flag, message", [
     ("--spec=foo", "--spec=foo: expected one of histospec, none"),
     ("--draft_mode=fast", "--draft_mode=fast: expected one of sync, ahead, ahead_only"),
+    ("--attention=cuda", "--attention=cuda: expected one of xla, pallas, pallas_interpret"),
     ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
     ("--group_size=1", "--group_size=1: expected an integer >= 2"),
     ("--temperature=0", "--temperature=0.0: expected a finite number > 0"),
@@ -102,6 +103,20 @@ def test_draft_modes_match_the_engine():
   from rhyme_jax import config as config_lib
   from rhyme_jax.rollout import engine
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
+
+
+def test_attention_flag_reaches_the_engine_config():
+  """--attention defaults to the XLA path; its choice list is the one the engine and the model
+  check against (one object), and the rollouts pass it to the engine."""
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.models import attention
+  from rhyme_jax.rl.rollouts import engine_config
+  from rhyme_jax.rollout import interface
+  assert parse_flags(["--run_dir=r"]).rollout.attention == "xla"
+  assert attention.ATTENTIONS is config_lib.ATTENTIONS is interface.ATTENTIONS
+  c = parse_flags(["--run_dir=r", "--attention=pallas"])
+  assert engine_config(c, eos_ids=(2,), drafting=True).attention == "pallas"
+  assert "rollout.attention" in config_lib.RESUMABLE_CHANGES  # same math, another kernel
 
 
 def test_choice_lists_match_their_sources():

@@ -38,7 +38,7 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
       max_draft=c.rollout.draft_budget if drafting else 0,
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
-      eos_ids=tuple(eos_ids), seed=c.run.seed)
+      attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed)
 
 
 class Rollouts:
