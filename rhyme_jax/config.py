@@ -31,6 +31,7 @@ DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
 # Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
 # (CPU tests). The one source: models.attention and the engine config import it.
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
+SCHEDULES = ("fifo", "history", "alternate", "probe")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
@@ -41,9 +42,10 @@ ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory (everything else must match).
 # rollout.attention: the same attention computed by another implementation (as on other hardware).
+# The admission order never changes what is sampled, so it may change too.
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
-                     "rollout.attention")
+                     "rollout.attention", "rollout.schedule")
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,8 @@ class RolloutOptions:
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
   attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
+  schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
+  rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,16 @@ _FLAGS = {
          "Pallas kernel of the backend (TPU: Mosaic, GPU: Triton), reading only each row's "
          "live KV; on CPU or a shape the kernel cannot take it uses the XLA path and logs "
          "why, once. 'pallas_interpret' runs the kernel interpreted (slow; CPU tests)."),
+        ("schedule", "fifo", "Rollout admission order: 'fifo' (data order), 'history' (longest "
+         "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
+         "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
+         "or 'probe' (Seer: each group's first sample first, then the group with the longest "
+         "finished sibling; probes ordered by history where it exists). Never changes what "
+         "is sampled."),
+        ("rollout_slots", 0, "Requests decoded at once (the rollout engine's largest batch "
+         "bucket, e.g. what the KV cache memory allows); 0 = all group_size x prompts_per_step "
+         "samples of a step at once. With fewer slots than samples, requests wait for a slot and "
+         "--schedule decides which goes first."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -316,6 +330,8 @@ def validate(c: Config) -> None:
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
   _one_of("attention", r.attention, ATTENTIONS)
+  _one_of("schedule", r.schedule, SCHEDULES)
+  _at_least("rollout_slots", r.rollout_slots, 0)
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)

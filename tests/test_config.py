@@ -52,6 +52,7 @@ def test_quickstart_is_small():
     ("--spec=foo", "--spec=foo: expected one of histospec, none"),
     ("--draft_mode=fast", "--draft_mode=fast: expected one of sync, ahead, ahead_only"),
     ("--attention=cuda", "--attention=cuda: expected one of xla, pallas, pallas_interpret"),
+    ("--schedule=lifo", "--schedule=lifo: expected one of fifo, history, alternate, probe"),
     ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
     ("--group_size=1", "--group_size=1: expected an integer >= 2"),
     ("--temperature=0", "--temperature=0.0: expected a finite number > 0"),
@@ -125,11 +126,13 @@ def test_choice_lists_match_their_sources():
   from rhyme_jax.data.prompts import PROMPT_TEMPLATES
   from rhyme_jax.rl import advantages, losses
   from rhyme_jax.rl.rewards import available_rewards
+  from rhyme_jax.scheduling.plan import SCHEDULES
   assert set(config_lib.LOSSES) == set(losses.available_losses())
   assert set(config_lib.ADVANTAGES) == set(advantages.available_advantages())
   assert set(config_lib.TASKS) <= set(PROMPT_TEMPLATES)  # every task has its template
   assert losses.AGGREGATIONS is config_lib.AGGREGATIONS  # one object: the losses import it
   assert losses.KL_ESTIMATORS is config_lib.KL_ESTIMATORS
+  assert tuple(SCHEDULES) == config_lib.SCHEDULES
   for task, reward in config_lib.TASK_REWARDS.items():
     assert task in config_lib.TASKS
     for term in reward.split("+"):

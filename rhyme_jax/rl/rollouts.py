@@ -1,9 +1,11 @@
 """Rollout orchestration: prompts -> engine requests -> scored sample groups.
 
-`Rollouts` owns the engine, the sampling parameters and (with `--spec=histospec`) the history
-drafter. `sample_round` samples G responses for a batch of prompts and records every finished
-group in the history store, so the prompt's next visit drafts from it; `evaluate` decodes
-held-out prompts greedily. Request ids are a function of (step, round, prompt, sample) and the
+`Rollouts` owns the engine, the sampling parameters, the history store (with
+`--spec=histospec` or a history-based `--schedule`) and the history drafter (with
+`--spec=histospec`). `sample_round` samples G responses for a batch of prompts in the
+`--schedule` admission order (`scheduling.plan_step`: lengths predicted from the store) and
+records every finished group in the store, so the prompt's next visit drafts from it and is
+scheduled by it; `evaluate` decodes held-out prompts greedily. Request ids are a function of (step, round, prompt, sample) and the
 engine's sampling keys of (seed, request id, position), so a resumed run samples the same
 tokens as one that never stopped.
 """
@@ -23,6 +25,9 @@ from rhyme_jax.rl.rewards.scoring import Scorer
 from rhyme_jax.rl.samples import Prompt, Sample, accuracy, rows_hash, tokens_crc32
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
+from rhyme_jax.scheduling.plan import SCHEDULES, plan_step
+from rhyme_jax.scheduling.predictor import LengthPredictor, StoreLengths
+from rhyme_jax.scheduling.simulate import tail_time
 
 # Engine counters summed over a step's rollout rounds.
 _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "lookahead_time_s",
@@ -30,9 +35,10 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "loo
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
-  """Batch buckets: the step's sample count and the powers of two below it."""
+  """Batch buckets: the step's sample count (or `--rollout_slots` when fewer) and the powers
+  of two below it."""
   c = config
-  b = c.rl.samples_per_step
+  b = min(c.rollout.rollout_slots or c.rl.samples_per_step, c.rl.samples_per_step)
   buckets = sorted({b} | {2**k for k in range(b.bit_length()) if 2**k < b}, reverse=True)
   return EngineConfig(
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
@@ -48,9 +54,12 @@ class Rollouts:
     c = config
     self.config = config
     self.scorer = scorer
-    self.store = HistoryStore() if c.rollout.spec == "histospec" else None
+    history = c.rollout.spec == "histospec" or c.rollout.schedule != "fifo"
+    self.store = HistoryStore() if history else None
+    self.predictor = (LengthPredictor(StoreLengths(self.store))
+                      if c.rollout.schedule != "fifo" else None)
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
-                    if self.store is not None else None)
+                    if c.rollout.spec == "histospec" else None)
     self.engine = RolloutEngine(model, engine_config(c, tokenizer.stop_ids, self.drafter is not None),
                                 self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
@@ -76,11 +85,19 @@ class Rollouts:
     stats.setdefault("rows", []).extend(prompts)
     base = step * ids_per_step(c) + round_idx * c.rl.samples_per_step
     t0 = time.perf_counter()
-    results = self.engine.generate(self._requests(prompts, base, self.sampling,
-                                                  (step, round_idx)))
+    requests = self._requests(prompts, base, self.sampling, (step, round_idx))
+    admission = None
+    if self.predictor is not None:
+      self.predictor.refresh()  # the store gained last round's groups
+      admission = plan_step(requests, self.predictor, step=step,
+                            policy=SCHEDULES[c.rollout.schedule]).admission(0)
+    results = self.engine.generate(requests, admission=admission)
     for k in _ENGINE_COUNTERS:
       stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)
     stats["time/rollout"] = stats.get("time/rollout", 0.0) + time.perf_counter() - t0
+    finish = np.array([r.finish_time for r in results])
+    stats["time/rollout_makespan"] = stats.get("time/rollout_makespan", 0.0) + finish.max()
+    stats["time/rollout_tail"] = stats.get("time/rollout_tail", 0.0) + tail_time(finish)
     t0 = time.perf_counter()
     g = c.rl.group_size
     groups = []
@@ -95,6 +112,9 @@ class Rollouts:
         self.drafter.record_group(p.key, [x.tokens for x in group], [x.reward for x in group],
                                   epoch=p.epoch)
         self.drafter.end_group(((step, round_idx), i))
+      elif self.store is not None:
+        self.store.add_group(p.key, p.epoch, [x.tokens for x in group],
+                             [x.reward for x in group])
       groups.append(group)
     stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
     return groups
@@ -146,6 +166,11 @@ def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
   m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
       stats["ahead_hits"] + stats["ahead_misses"], 1)
   m["time/rollout"] = stats["time/rollout"]
+  # Wall time from the rollout's start to its last response, and to finish its last 10%
+  # (summed over a step's rounds): what the admission order (--schedule) acts on.
+  for k in ("time/rollout_makespan", "time/rollout_tail"):
+    if k in stats:
+      m[k] = stats[k]
   m["time/reward"] = stats["time/reward"]
   m["data/epoch"] = int(max(p.epoch for p in rows))
   m["data/batch_hash"] = rows_hash(rows)

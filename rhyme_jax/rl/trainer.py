@@ -4,7 +4,8 @@
 
   samples.py          prompts, samples and the train step's sequence layout
   rollouts.py         prompts x G samples through the `RolloutEngine` (HistoSpec drafts from
-                      the previous epoch's responses when `--spec=histospec`), scored
+                      the previous epoch's responses when `--spec=histospec`; admitted in the
+                      `--schedule` order, scheduling/), scored
   rewards/scoring.py  decoded responses -> reward, correctness, DAPO overlong penalty
   learner.py          advantages, old / reference log-probs, `ppo_epochs` jitted updates
 
@@ -107,11 +108,11 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
   mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
   d, v, h = m.hidden_size, m.vocab_size, m.head_dim
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(memory.abstract_params(m)))
-  s = c.rollout.max_prompt_len + c.rollout.max_new_tokens
-  b = c.rl.samples_per_step
   est = memory.estimate(c, m, mesh)
   limit = memory.device_memory_bytes(c)
   eng = engine_config(c, inputs.tokenizer.stop_ids, c.rollout.spec == "histospec")
+  s = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  n = c.rl.samples_per_step
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   lines = [
       f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.default_backend()} device(s)",
@@ -124,9 +125,10 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       "steps per epoch",
       f"reward: {inputs.reward_fn.name}; loss: {c.rl.loss}; advantage: {c.rl.advantage}",
       f"rollout engine: batch buckets {eng.buckets}, at most {eng.max_draft} draft nodes per "
-      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}",
+      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
+      f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
-      f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
+      f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
       f"memory: {est.describe()}; device memory "
       + (f"{gib(limit)}: {'fits' if est.total <= limit else 'DOES NOT FIT'}" if limit
          else "not reported (no check)"),

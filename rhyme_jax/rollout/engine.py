@@ -10,8 +10,10 @@ most expected tokens per second, and plain steps are dispatched before the previ
 read, so the host's bookkeeping overlaps the device. Step functions are jitted once per shape
 (bucket, packed size, tokens per row, cache bucket) at warm-up.
 
-The engine is the narrow interface the trainer sees: `generate(requests) -> results` and
-`update_params(model)`.
+Requests are admitted in arrival order, or in the order of an `AdmissionOrder` (scheduling/:
+longest predicted first, cross-step alternation, Seer probe-first); the order changes when a
+request runs, never what it samples. The engine is the narrow interface the trainer sees:
+`generate(requests, admission=None) -> results` and `update_params(model)`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported 
 from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
-    DRAFT_MODES, SPECULATE, EngineConfig, EngineStats, Request, RequestResult)
+    DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
 
 
@@ -255,9 +257,11 @@ class RolloutEngine:
                                     values, len(live_idx))
     return shape[1] != bucket
 
-  def generate(self, requests: Sequence[Request]) -> list[RequestResult]:
+  def generate(self, requests: Sequence[Request], admission: AdmissionOrder | None = None
+               ) -> list[RequestResult]:
     """Runs every request to completion; results in the order of `requests`.
 
+    `admission` picks which queued request takes each free slot (default: arrival order).
     A request that cannot run (empty or too-long prompt, bad sampling params) gets a result with
     finish_reason "error" and a message; the others run as usual.
     """
@@ -265,7 +269,7 @@ class RolloutEngine:
     self.stats = stats = EngineStats()
     cfg = self.config
     results: dict[int, RequestResult] = {}
-    queue: collections.deque[Request] = collections.deque()
+    queue: list[Request] = []
     seen: set = set()
     for req in requests:
       err = self._validate(req, seen)
@@ -277,6 +281,13 @@ class RolloutEngine:
       else:
         queue.append(req)
     order = [id(r) for r in requests]
+    if admission is not None:
+      opening = list(admission.order(queue))
+      if sorted(map(id, opening)) != sorted(map(id, queue)):
+        raise ValueError("generate: admission.order(requests) must return a permutation of the "
+                         "valid requests")
+      queue = opening
+    finished_len: dict[int, int] = {}  # request id -> response length, for online orders
     group_left = collections.Counter(r.group_id for r in queue)  # live + queued per group
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
@@ -297,6 +308,7 @@ class RolloutEngine:
           steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
           finish_time=time.perf_counter() - t0)
       lv.done = True
+      finished_len[lv.req.request_id] = len(lv.tokens)
       slots[slot] = None
       self.costs.forget(lv.req.request_id)
       if self.drafter is not None:
@@ -350,10 +362,18 @@ class RolloutEngine:
     while queue or any(slots) or pending is not None:
       ta = time.perf_counter()
       admits = []
+      live_len = ({s.req.request_id: len(s.tokens) for s in slots if s is not None}
+                  if admission is not None and queue else {})
       for i in range(bucket):
         if slots[i] is None and queue:
-          admits.append((i, queue.popleft()))
+          k = 0 if admission is None else admission.next_to_admit(queue, finished_len, live_len)
+          if not 0 <= k < len(queue):
+            raise ValueError(f"generate: admission.next_to_admit returned {k} for a queue of "
+                             f"{len(queue)}")
+          admits.append((i, queue.pop(k)))
           slots[i] = _Live(admits[-1][1], [], [])
+          live_len[admits[-1][1].request_id] = 0
+          stats.admitted.append(admits[-1][1].request_id)
       state = self._admit(state, admits)
       live_idx = [i for i in range(bucket) if slots[i] is not None]
       if pending is None:

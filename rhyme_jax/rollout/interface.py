@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,24 @@ class Request:
   params: SamplingParams = SamplingParams()
   group_id: Hashable = None
   prompt_key: Hashable = None  # key into the history store; defaults to the prompt tokens
+
+
+class AdmissionOrder(Protocol):
+  """Which queued request takes the next free slot (`RolloutEngine.generate(..., admission=)`).
+
+  `order(requests)` once, before the first admission: the opening queue (a permutation of
+  `requests`). Then, each time a slot frees, `next_to_admit(queue, finished, live)` returns the
+  position in `queue` to admit, given {request_id: response length} of the finished requests
+  and of the live ones (admitted ones start at 0). Static orders return 0; online ones (Seer's
+  probe-first) re-rank as siblings finish. Implementations live in `scheduling/`. An order
+  changes when a request runs, never what it samples: sampling keys depend on (seed,
+  request_id, position) alone.
+  """
+
+  def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...
+
+  def next_to_admit(self, queue: Sequence[Request], finished: Mapping[int, int],
+                    live: Mapping[int, int]) -> int: ...
 
 
 @dataclasses.dataclass
@@ -176,6 +194,7 @@ class EngineStats:
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
   # per step: (bucket, packed P, live, queued)
   trace: list = dataclasses.field(default_factory=list)
+  admitted: list = dataclasses.field(default_factory=list)  # request ids in admission order
 
   @property
   def mean_accepted_length(self) -> float:
