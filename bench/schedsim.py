@@ -268,6 +268,36 @@ def overlap_rows(trace, jobs, predictor, truth, args) -> list[list]:
   return rows
 
 
+def blind_draws(jobs, group_score, table, cfg, draws: int, seed: int) -> np.ndarray:
+  """What an order that cannot tell one prompt's samples apart can reach on this trace.
+
+  A prompt's G samples are exchangeable before they run, so any per-prompt order (history,
+  probe-free) sees the same trace with each group's true lengths shuffled among its samples.
+  Per draw: (makespan / oracle, tail cut vs FIFO, decode steps of the per-prompt order),
+  for the order `group_score` (higher first; the step's true group means = the best per-prompt
+  knowledge). float64[draws, 3].
+  """
+  rng = np.random.default_rng(seed)
+  by_group = collections.defaultdict(list)
+  for i, (m, _) in enumerate(jobs):
+    by_group[m.group_id].append(i)
+  out = np.zeros((draws, 3))
+  for d in range(draws):
+    lengths = [n for _, n in jobs]
+    for idx in by_group.values():
+      for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
+        lengths[i] = int(n)
+    shuffled = [(m, n) for (m, _), n in zip(jobs, lengths)]
+    truth = {m.request_id: n for m, n in shuffled}
+    oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)
+    fifo = simulate(shuffled, lambda: make_policy("fifo"), table, cfg)
+    grp = simulate(shuffled, lambda: StaticPolicy("group", lambda m: group_score[m.group_id]),
+                   table, cfg)
+    out[d] = (grp.makespan_ms / oracle.makespan_ms,
+              1 - grp.tail_ms / fifo.tail_ms if fifo.tail_ms > 0 else 0.0, grp.steps)
+  return out
+
+
 def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
   """(detail rows, summary rows, cross-step rows, notes) for every trace."""
   traces = []
@@ -280,6 +310,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
     else:
       traces.append(load_trace(spec))
   detail, summary, overlap, notes = [], [], [], []
+  args.blind_rows = []
   for trace in traces:
     if len(trace.epochs) == 1 and args.split_groups:
       trace = split_groups(trace)
@@ -337,6 +368,14 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                          (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
                          cut(res)])
         h = results["history"]
+        if args.blind_draws:
+          b = blind_draws(jobs, group_mean, table, cfg, args.blind_draws, args.seed)
+          args.blind_rows.append([
+              trace.name, sc.table, f"1x{sc.slots}", lengths.max(),
+              int(np.ceil(lengths.sum() / sc.slots)), oracle.steps, results["history"].steps,
+              f"{b[:, 2].mean():.0f} ({b[:, 2].min():.0f}-{b[:, 2].max():.0f})",
+              f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
+              f"{100 * b[:, 1].max():.0f}%"])
         notes.append(f"targets, {trace.name} [{sc.table} 1x{sc.slots}]: history makespan / "
                      f"oracle {h.makespan_ms / oracle.makespan_ms:.3f} (target <= 1.02; "
                      f"/ oracle_group {h.makespan_ms / results['oracle_group'].makespan_ms:.3f}),"
@@ -357,6 +396,8 @@ def main(argv=None) -> None:
   ap.add_argument("--plans", default="data_order,lpt_history,lpt_oracle")
   ap.add_argument("--chunk", type=int, default=64, help="divided-rollout chunk (tokens)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
+  ap.add_argument("--blind_draws", type=int, default=200,
+                  help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
   ap.add_argument("--split_groups", action="store_true",
                   help="a one-epoch trace: first half of each group = history, second = step")
   ap.add_argument("--write_trace", default=None, help="write the first trace as JSONL and exit")
@@ -376,6 +417,17 @@ def main(argv=None) -> None:
   table += common.markdown_table(
       ["trace", "table", "shards x slots", "shrink", "spec", "plan", "chunk", "history s"]
       + [p for p in POLICIES[:-1]] + ["tail cut: history", "probe", "oracle"], summary)
+  if args.blind_rows:
+    table += (f"\n\nWhat any per-prompt order can reach: the step's true per-prompt mean "
+              f"lengths, longest first, over {args.blind_draws} draws of each prompt's lengths "
+              "shuffled among its samples (samples of one prompt are indistinguishable before "
+              "they run); decode steps of the makespan\n\n")
+    table += common.markdown_table(
+        ["trace", "table", "shards x slots", "longest response", "tokens / slots",
+         "oracle steps", "history steps", "per-prompt steps: mean (range)",
+         "per-prompt makespan / oracle: mean", "best draw", "tail cut vs fifo: mean",
+         "best draw"],
+        args.blind_rows)
   table += ("\n\nCross-step alternation: the step's prompts as two consecutive steps A, B "
             "(first and second half); history_alt = A long-first, B short-first\n\n")
   table += common.markdown_table(

@@ -27,7 +27,11 @@ from absl import flags
 # import graph and loads no JAX), so each list that mirrors a registry or constant elsewhere is
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
-DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.engine.DRAFT_MODES
+DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
+# Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
+# (CPU tests). The one source: models.attention and the engine config import it.
+ATTENTIONS = ("xla", "pallas", "pallas_interpret")
+SCHEDULES = ("fifo", "history", "alternate", "probe")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
@@ -36,10 +40,13 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.losses.KL_ESTIMATORS
 ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
-# Fields that may differ when resuming a run directory or between its processes (each has its
-# own --process_id); everything else must match.
+# Fields that may differ when resuming a run directory or between its processes (each its own
+# --process_id); everything else must match. rollout.attention: the same attention computed by
+# another implementation (as on other hardware); the admission order never changes what is
+# sampled.
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
-                     "run.eval_every", "run.eval_size", "run.log_every", "distributed")
+                     "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
+                     "rollout.attention", "rollout.schedule", "distributed")
 
 
 class ConfigError(ValueError):
@@ -64,6 +71,9 @@ class RolloutOptions:
   draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
+  attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
+  schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
+  rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +131,7 @@ class RunOptions:
   eval_every: int  # 0 = no periodic evaluation
   eval_size: int
   log_every: int
+  device_memory_gib: float  # 0 = what the device reports (CPUs report nothing: no check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +184,20 @@ _FLAGS = {
          "drafts are right; at the acceptance fresh-seed RL rollouts showed it did not "
          "(bench/RESULTS.md). Drafts never change what is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
+        ("attention", "xla", f"Decode attention: {', '.join(ATTENTIONS)}. 'pallas' runs the "
+         "Pallas kernel of the backend (TPU: Mosaic, GPU: Triton), reading only each row's "
+         "live KV; on CPU or a shape the kernel cannot take it uses the XLA path and logs "
+         "why, once. 'pallas_interpret' runs the kernel interpreted (slow; CPU tests)."),
+        ("schedule", "fifo", "Rollout admission order: 'fifo' (data order), 'history' (longest "
+         "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
+         "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
+         "or 'probe' (Seer: each group's first sample first, then the group with the longest "
+         "finished sibling; probes ordered by history where it exists). Never changes what "
+         "is sampled."),
+        ("rollout_slots", 0, "Requests decoded at once (the rollout engine's largest batch "
+         "bucket, e.g. what the KV cache memory allows); 0 = all group_size x prompts_per_step "
+         "samples of a step at once. With fewer slots than samples, requests wait for a slot and "
+         "--schedule decides which goes first."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -224,6 +249,9 @@ _FLAGS = {
         ("eval_every", 0, "Greedy evaluation every N steps (0 = off)."),
         ("eval_size", 32, "Held-out examples per evaluation."),
         ("log_every", 1, "Print progress every N steps."),
+        ("device_memory_gib", 0.0, "Memory per device in GiB that the run must fit (checked at "
+         "start against an estimate of parameters, optimiser state, activations and KV cache; "
+         "0 = what the device reports, no check where it reports nothing)."),
     ],
     DistributedOptions: [
         ("coordinator_address", "", "host:port of process 0, the same for every process of a "
@@ -319,6 +347,9 @@ def validate(c: Config) -> None:
     raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
+  _one_of("attention", r.attention, ATTENTIONS)
+  _one_of("schedule", r.schedule, SCHEDULES)
+  _at_least("rollout_slots", r.rollout_slots, 0)
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)
@@ -372,6 +403,7 @@ def validate(c: Config) -> None:
   _at_least("eval_every", run.eval_every, 0)
   _at_least("eval_size", run.eval_size, 1)
   _at_least("log_every", run.log_every, 1)
+  _at_least("device_memory_gib", run.device_memory_gib, 0.0)
   _validate_distributed(c.distributed)
   # Request ids (int32) are step * ids_per_step + offset: keep them in range.
   if (run.num_steps + 1) * ids_per_step(c) >= 2**31:

@@ -14,7 +14,9 @@ match a panel's prefix):
   rollout/mean_accepted_length mean accepted length per verify step
   time/rollout, time/reward, time/logprob, time/train   step-time split (s)
 Also logged: time/draft_ms_per_step and time/lookahead_ms_per_step (host drafting per decode
-step, on the critical path and in the background), rollout/ahead_hit_rate.
+step, on the critical path and in the background), rollout/ahead_hit_rate, and
+time/rollout_makespan, time/rollout_tail (the rollout's start to its last response, and the
+time its last 10% of responses took: what --schedule acts on).
 
 `Progress` prints `step 12/100 | reward/mean 0.412 | 3.21 s/step | ETA 4m42s`,
 redrawn in place on a terminal and one line per step otherwise (log files).

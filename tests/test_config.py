@@ -51,6 +51,8 @@ def test_quickstart_is_small():
 @pytest.mark.parametrize("flag, message", [
     ("--spec=foo", "--spec=foo: expected one of histospec, none"),
     ("--draft_mode=fast", "--draft_mode=fast: expected one of sync, ahead, ahead_only"),
+    ("--attention=cuda", "--attention=cuda: expected one of xla, pallas, pallas_interpret"),
+    ("--schedule=lifo", "--schedule=lifo: expected one of fifo, history, alternate, probe"),
     ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
     ("--group_size=1", "--group_size=1: expected an integer >= 2"),
     ("--temperature=0", "--temperature=0.0: expected a finite number > 0"),
@@ -120,17 +122,33 @@ def test_draft_modes_match_the_engine():
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
 
 
+def test_attention_flag_reaches_the_engine_config():
+  """--attention defaults to the XLA path; its choice list is the one the engine and the model
+  check against (one object), and the rollouts pass it to the engine."""
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.models import attention
+  from rhyme_jax.rl.rollouts import engine_config
+  from rhyme_jax.rollout import interface
+  assert parse_flags(["--run_dir=r"]).rollout.attention == "xla"
+  assert attention.ATTENTIONS is config_lib.ATTENTIONS is interface.ATTENTIONS
+  c = parse_flags(["--run_dir=r", "--attention=pallas"])
+  assert engine_config(c, eos_ids=(2,), drafting=True).attention == "pallas"
+  assert "rollout.attention" in config_lib.RESUMABLE_CHANGES  # same math, another kernel
+
+
 def test_choice_lists_match_their_sources():
   """config.py imports nothing from the package, so each mirrored list is checked here."""
   from rhyme_jax import config as config_lib
   from rhyme_jax.data.prompts import PROMPT_TEMPLATES
   from rhyme_jax.rl import advantages, losses
   from rhyme_jax.rl.rewards import available_rewards
+  from rhyme_jax.scheduling.plan import SCHEDULES
   assert set(config_lib.LOSSES) == set(losses.available_losses())
   assert set(config_lib.ADVANTAGES) == set(advantages.available_advantages())
   assert set(config_lib.TASKS) <= set(PROMPT_TEMPLATES)  # every task has its template
   assert losses.AGGREGATIONS is config_lib.AGGREGATIONS  # one object: the losses import it
   assert losses.KL_ESTIMATORS is config_lib.KL_ESTIMATORS
+  assert tuple(SCHEDULES) == config_lib.SCHEDULES
   for task, reward in config_lib.TASK_REWARDS.items():
     assert task in config_lib.TASKS
     for term in reward.split("+"):

@@ -202,3 +202,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
                   "--coordinator_address=10.0.0.1:8476", "--num_processes=4", "--process_id=0")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
+
+
+def test_config_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, tiny_model):
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--device_memory_gib=0.000001")
+  assert_one_line_error(proc, 2, "does not fit in --device_memory_gib", "parameters",
+                        "optimiser state", "KV cache")
+  assert not (tmp_path / "run").exists()

@@ -137,6 +137,11 @@ class HistoryStore:
     lengths = groups[-1].lengths
     return float(lengths.mean()), int(lengths.max())
 
+  def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
+    """(epoch, int64[n] response lengths) per kept epoch of a prompt, oldest first; [] when
+    unknown. What the length predictor (scheduling/) reads; does not mark the key used."""
+    return [(g.epoch, g.lengths) for g in self._entries.get(key) or () if g.responses]
+
   # --- checkpointing -----------------------------------------------------------------------
 
   def state_dict(self) -> dict:

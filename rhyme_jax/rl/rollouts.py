@@ -1,12 +1,15 @@
 """Rollout orchestration: prompts -> engine requests -> scored sample groups.
 
-`Rollouts` owns the engine, the sampling parameters and (with `--spec=histospec`) the history
-drafter. `sample_round` samples G responses for a batch of prompts; `record` adds finished
-groups to the history store (every host's, in process order, so the store is the same on all
-hosts and a prompt's next visit drafts from it wherever it lands); `evaluate` decodes held-out
-prompts greedily. Request ids are a function of (step, round, process, prompt, sample) and the
-engine's sampling keys of (seed, request id, position), so a resumed run samples the same
-tokens as one that never stopped, and no two hosts share sampling noise.
+`Rollouts` owns the engine, the sampling parameters, the history store (with
+`--spec=histospec` or a history-based `--schedule`) and the history drafter (with
+`--spec=histospec`). `sample_round` samples G responses for a batch of prompts in the
+`--schedule` admission order (`scheduling.plan_step`: lengths predicted from the store);
+`record` adds finished groups to the store (every host's, in process order, so the store is
+the same on all hosts and a prompt's next visit drafts from it and is scheduled by it wherever
+it lands); `evaluate` decodes held-out prompts greedily. Request ids are a function of (step,
+round, process, prompt, sample) and the engine's sampling keys of (seed, request id,
+position), so a resumed run samples the same tokens as one that never stopped, and no two
+hosts share sampling noise.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from rhyme_jax.rl.samples import (GroupRecord, Prompt, Sample, accuracy, rows_ha
                                   tokens_crc32)
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
+from rhyme_jax.scheduling.plan import SCHEDULES, plan_step
+from rhyme_jax.scheduling.predictor import LengthPredictor, StoreLengths
+from rhyme_jax.scheduling.simulate import tail_time
 
 # Engine counters summed over a step's rollout rounds.
 _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "lookahead_time_s",
@@ -32,15 +38,16 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "loo
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
-  """Batch buckets: the step's sample count and the powers of two below it."""
+  """Batch buckets: the step's sample count (or `--rollout_slots` when fewer) and the powers
+  of two below it."""
   c = config
-  b = c.rl.samples_per_step
+  b = min(c.rollout.rollout_slots or c.rl.samples_per_step, c.rl.samples_per_step)
   buckets = sorted({b} | {2**k for k in range(b.bit_length()) if 2**k < b}, reverse=True)
   return EngineConfig(
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
       max_draft=c.rollout.draft_budget if drafting else 0,
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
-      eos_ids=tuple(eos_ids), seed=c.run.seed)
+      attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed)
 
 
 def request_base(config: Config, step: int, round_idx: int, process_index: int = 0,
@@ -61,9 +68,12 @@ class Rollouts:
     self.config = config
     self.process_index, self.process_count = process_index, process_count
     self.scorer = scorer
-    self.store = HistoryStore() if c.rollout.spec == "histospec" else None
+    history = c.rollout.spec == "histospec" or c.rollout.schedule != "fifo"
+    self.store = HistoryStore() if history else None
+    self.predictor = (LengthPredictor(StoreLengths(self.store))
+                      if c.rollout.schedule != "fifo" else None)
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
-                    if self.store is not None else None)
+                    if c.rollout.spec == "histospec" else None)
     self.engine = RolloutEngine(model, engine_config(c, tokenizer.stop_ids, self.drafter is not None),
                                 self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
@@ -88,11 +98,19 @@ class Rollouts:
     c = self.config
     base = request_base(c, step, round_idx, self.process_index, self.process_count)
     t0 = time.perf_counter()
-    results = self.engine.generate(self._requests(prompts, base, self.sampling,
-                                                  (step, round_idx)))
+    requests = self._requests(prompts, base, self.sampling, (step, round_idx))
+    admission = None
+    if self.predictor is not None:
+      self.predictor.refresh()  # the store gained last round's groups
+      admission = plan_step(requests, self.predictor, step=step,
+                            policy=SCHEDULES[c.rollout.schedule]).admission(0)
+    results = self.engine.generate(requests, admission=admission)
     for k in _ENGINE_COUNTERS:
       stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)
     stats["time/rollout"] = stats.get("time/rollout", 0.0) + time.perf_counter() - t0
+    finish = np.array([r.finish_time for r in results])
+    stats["time/rollout_makespan"] = stats.get("time/rollout_makespan", 0.0) + finish.max()
+    stats["time/rollout_tail"] = stats.get("time/rollout_tail", 0.0) + tail_time(finish)
     t0 = time.perf_counter()
     g = c.rl.group_size
     groups = []
@@ -110,11 +128,13 @@ class Rollouts:
     return groups
 
   def record(self, records: Sequence[GroupRecord]) -> None:
-    """Adds finished groups to the history store, in order (drafts of later visits use them)."""
-    if self.drafter is None:
-      return
+    """Adds finished groups to the history store, in order (later visits draft from them and
+    are scheduled by them)."""
     for r in records:
-      self.drafter.record_group(r.key, r.responses, r.rewards, epoch=r.epoch)
+      if self.drafter is not None:
+        self.drafter.record_group(r.key, r.responses, r.rewards, epoch=r.epoch)
+      elif self.store is not None:
+        self.store.add_group(r.key, r.epoch, r.responses, r.rewards)
 
   def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, list]:
     """Greedy decoding of held-out prompts: per-prompt reward, response length, correctness
@@ -171,6 +191,11 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
       stats["ahead_hits"] + stats["ahead_misses"], 1)
   m["time/rollout"] = stats["time/rollout"]
+  # Wall time from the rollout's start to its last response, and to finish its last 10%
+  # (summed over a step's rounds): what the admission order (--schedule) acts on.
+  for k in ("time/rollout_makespan", "time/rollout_tail"):
+    if k in stats:
+      m[k] = stats[k]
   m["time/reward"] = stats["time/reward"]
   m["data/epoch"] = int(max(g.epoch for g in records))
   m["data/batch_hash"] = rows_hash([g.uid for g in records])
@@ -180,6 +205,7 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
 def combine_stats(per_host: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """Hosts' rollout counters summed; their wall times (they ran side by side) the longest."""
   out = {k: sum(h.get(k, 0) for h in per_host) for k in _ENGINE_COUNTERS}
-  for k in ("time/rollout", "time/reward"):
-    out[k] = max(h.get(k, 0.0) for h in per_host)
+  for k in ("time/rollout", "time/reward", "time/rollout_makespan", "time/rollout_tail"):
+    if k in per_host[0]:
+      out[k] = max(h[k] for h in per_host)
   return out

@@ -4,7 +4,8 @@
 
   samples.py          prompts, samples and the train step's sequence layout
   rollouts.py         prompts x G samples through the `RolloutEngine` (HistoSpec drafts from
-                      the previous epoch's responses when `--spec=histospec`), scored
+                      the previous epoch's responses when `--spec=histospec`; admitted in the
+                      `--schedule` order, scheduling/), scored
   rewards/scoring.py  decoded responses -> reward, correctness, DAPO overlong penalty
   learner.py          advantages, old / reference log-probs, `ppo_epochs` jitted updates
 
@@ -52,7 +53,7 @@ from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.loading import ModelError, load_model, read_model_config
 from rhyme_jax.models.sharding import param_shardings
 from rhyme_jax.models.tokenizer import load_tokenizer
-from rhyme_jax.rl import hosts
+from rhyme_jax.rl import hosts, memory
 from rhyme_jax.rl.learner import Learner
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.registry import RewardFn
@@ -119,15 +120,13 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
   """The `--dry_run` report: mesh, shapes compiled, data and a memory estimate."""
   c, m = config, inputs.model_config
   mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  d, f, v, h = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_dim
-  per_layer = d * h * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * f + 2 * d
-  num_params = m.num_layers * per_layer + v * d * (1 if m.tie_word_embeddings else 2) + d
-  bytes_per = 2 if c.model.param_dtype == "bfloat16" else 4
-  # params + grads + two Adam moments (+ a frozen reference copy with a KL penalty)
-  copies = 4 + (1 if c.rl.kl_beta > 0 else 0)
-  b, s = c.rl.samples_per_step, c.rollout.max_prompt_len + c.rollout.max_new_tokens
-  kv_bytes = 2 * m.num_layers * b * s * m.num_kv_heads * h * bytes_per
+  d, v, h = m.hidden_size, m.vocab_size, m.head_dim
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(memory.abstract_params(m)))
+  est = memory.estimate(c, m, mesh)
+  limit = memory.device_memory_bytes(c)
   eng = engine_config(c, inputs.tokenizer.stop_ids, c.rollout.spec == "histospec")
+  s = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  n = c.rl.samples_per_step
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   lines = [
       f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.default_backend()} device(s)",
@@ -140,11 +139,13 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       "steps per epoch",
       f"reward: {inputs.reward_fn.name}; loss: {c.rl.loss}; advantage: {c.rl.advantage}",
       f"rollout engine: batch buckets {eng.buckets}, at most {eng.max_draft} draft nodes per "
-      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}",
+      f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
+      f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
-      f"{b // (c.rl.micro_batch_size or b)} micro-batch(es) of {c.rl.micro_batch_size or b}",
-      f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "
-      f"({copies} parameter-sized copies), KV cache {gib(kv_bytes)}",
+      f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
+      f"memory: {est.describe()}; device memory "
+      + (f"{gib(limit)}: {'fits' if est.total <= limit else 'DOES NOT FIT'}" if limit
+         else "not reported (no check)"),
       f"processes: {_describe_processes(inputs.distributed)}",
       f"run dir: {c.run.run_dir} ({'resumes' if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
@@ -178,6 +179,8 @@ class Trainer:
                                    seed=c.run.seed, render_fn=self._render,
                                    template=self.template, process_index=self.process_index,
                                    process_count=self.process_count)
+    # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
+    self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
     model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
     if self.process_index == 0:  # one writer; the others checked it in check_inputs
       run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)

@@ -10,8 +10,10 @@ most expected tokens per second, and plain steps are dispatched before the previ
 read, so the host's bookkeeping overlaps the device. Step functions are jitted once per shape
 (bucket, packed size, tokens per row, cache bucket) at warm-up.
 
-The engine is the narrow interface the trainer sees: `generate(requests) -> results` and
-`update_params(model)`.
+Requests are admitted in arrival order, or in the order of an `AdmissionOrder` (scheduling/:
+longest predicted first, cross-step alternation, Seer probe-first); the order changes when a
+request runs, never what it samples. The engine is the narrow interface the trainer sees:
+`generate(requests, admission=None) -> results` and `update_params(model)`.
 """
 
 from __future__ import annotations
@@ -19,187 +21,23 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import time
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rhyme_jax.models.attention import KVCache
+from rhyme_jax.models.attention import KVCache, resolve_attention
 from rhyme_jax.models.transformer import Transformer
-from rhyme_jax.rollout import accept, step
+from rhyme_jax.rollout import accept, compiled, step
+from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree
+from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
+    DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
-
-
-@dataclasses.dataclass
-class Request:
-  request_id: int
-  prompt: Sequence[int]
-  params: SamplingParams = SamplingParams()
-  group_id: Hashable = None
-  prompt_key: Hashable = None  # key into the history store; defaults to the prompt tokens
-
-
-@dataclasses.dataclass
-class RequestResult:
-  request_id: int
-  group_id: Hashable
-  prompt: np.ndarray
-  tokens: np.ndarray  # int32 response tokens (EOS / stop sequence included when hit)
-  logprobs: np.ndarray  # float32, one per response token
-  finish_reason: str  # "eos" | "stop" | "length" | "error"
-  error: str | None = None
-  steps: int = 0  # verify steps this request took part in
-  drafted: int = 0  # draft tokens proposed for it
-  accepted: int = 0  # draft tokens accepted
-  finish_time: float = 0.0  # seconds since the start of the rollout
-
-
-DRAFT_MODES = ("sync", "ahead", "ahead_only")
-SPECULATE = ("auto", "always", "never")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Static shapes and policies. `max_len` bounds prompt + response tokens per request.
-
-  The engine alone sizes drafts: each bucket B compiles a plain step (P = B packed tokens, one
-  per row) and one speculative step per `pack_factors` entry f (P = B + max((f-1)·B, 8·(f-1))
-  positions, at most `max_draft` draft nodes per row, fewer at large B so attention's row block
-  stays small), each for `kv_buckets` cache-length buckets.
-  """
-
-  max_len: int = 512
-  buckets: tuple[int, ...] = (32, 16, 8, 4, 2, 1)
-  max_draft: int = 16  # most draft nodes verified per row per step (<= 31); 0 = never speculate
-  pack_factors: tuple[int, ...] = (2, 4)
-  kv_buckets: int = 2  # cache-length buckets compiled: S, S/2, ... (attention reads one)
-  # "auto": the cost model decides each step (plain where speculation cannot pay); "always":
-  # every step uses the largest speculative shape, drafts or not (tests, benches: one shape);
-  # "never": plain steps only.
-  speculate: str = "auto"
-  pipeline: bool = True  # dispatch a plain step before reading the previous one
-  prefill_chunk: int = 64
-  eos_ids: tuple[int, ...] = ()
-  seed: int = 0
-  # Where host drafting runs (drafters without `lookahead` always draft synchronously):
-  # - "sync": before each step, on the critical path (the device waits);
-  # - "ahead": the drafter's `lookahead` runs in a background thread on this step's contexts
-  #   (budget: `lookahead_budget`) while the device verifies; next step each request gets the
-  #   part of that tree continuing what it emitted (`DraftQuery.ahead`), and drafts
-  #   synchronously only where the emitted tokens left the tree;
-  # - "ahead_only": as "ahead", but never on the critical path.
-  draft_mode: str = "sync"
-
-  def __post_init__(self):
-    if not self.buckets or any(b <= 0 for b in self.buckets):
-      raise ValueError(f"buckets={self.buckets}: must be a non-empty list of positive sizes")
-    if not 0 <= self.max_draft < accept.MAX_ROW_TOKENS:
-      raise ValueError(f"max_draft={self.max_draft}: must be in [0, {accept.MAX_ROW_TOKENS})")
-    if any(f < 2 for f in self.pack_factors):
-      raise ValueError(f"pack_factors={self.pack_factors}: each must be >= 2")
-    if self.kv_buckets < 1:
-      raise ValueError(f"kv_buckets={self.kv_buckets}: must be >= 1")
-    if self.speculate not in SPECULATE:
-      raise ValueError(f"speculate={self.speculate!r}: expected one of {SPECULATE}")
-    if self.max_len < 2:
-      raise ValueError(f"max_len={self.max_len}: must be >= 2")
-    if self.prefill_chunk <= 0:
-      raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
-    if self.draft_mode not in DRAFT_MODES:
-      raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
-
-  @property
-  def row_tokens(self) -> int:
-    return 1 + self.max_draft
-
-  @property
-  def cache_len(self) -> int:
-    """Room for a request's tokens plus one step's tree and one pipelined step past its end."""
-    return self.max_len + 2 * self.row_tokens
-
-  @property
-  def lookahead_budget(self) -> int:
-    """Nodes drafted ahead: this step's draft, its bonus token and the next draft."""
-    return 2 * self.max_draft + 1
-
-  def kv_lengths(self) -> tuple[int, ...]:
-    s = self.cache_len
-    return tuple(sorted({min(s, -(-(s >> i) // 16) * 16) for i in range(self.kv_buckets)}))
-
-  def spec_shapes(self, bucket: int) -> tuple[tuple[int, int], ...]:
-    """(P, T) of the speculative steps of a bucket: packed size, tokens per row."""
-    if self.max_draft == 0 or self.speculate == "never":
-      return ()
-    out = []
-    for f in sorted(self.pack_factors):
-      p = bucket + max((f - 1) * bucket, 8 * (f - 1))
-      t = min(self.row_tokens, p - bucket + 1, max(4, 256 // bucket))
-      if (p, t) not in out:
-        out.append((p, t))
-    return tuple(out)
-
-
-@dataclasses.dataclass
-class EngineStats:
-  """Counters of one `generate` call (peers' names: mean accepted length, slot utilisation)."""
-
-  steps: int = 0  # verify steps (target forward passes of the decode phase)
-  spec_steps: int = 0  # of which speculative
-  prefill_chunks: int = 0
-  prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
-  tokens: int = 0  # response tokens emitted
-  useful_slot_steps: int = 0
-  slot_steps: int = 0
-  drafted: int = 0  # draft nodes verified
-  accepted: int = 0
-  positions: int = 0  # packed positions computed (sum of P over steps)
-  live_positions: int = 0  # live rows + drafted nodes (sum over steps)
-  host_waits: int = 0  # reads of step outputs with no later step queued (the device idles)
-  draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
-  device_time_s: float = 0.0  # blocking waits for step outputs
-  lookahead_time_s: float = 0.0  # background drafting, overlapped with device_time_s
-  lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
-  ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
-  ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead
-  total_time_s: float = 0.0
-  steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
-  # per step: (bucket, packed P, live, queued)
-  trace: list = dataclasses.field(default_factory=list)
-
-  @property
-  def mean_accepted_length(self) -> float:
-    """Tokens emitted per slot-verify (bonus included): 1.0 means no speculation gain."""
-    return self.tokens / max(self.useful_slot_steps, 1)
-
-  @property
-  def forwards_per_token(self) -> float:
-    return self.steps / max(self.tokens, 1)
-
-  @property
-  def slot_utilisation(self) -> float:
-    return self.useful_slot_steps / max(self.slot_steps, 1)
-
-  @property
-  def tokens_per_s(self) -> float:
-    return self.tokens / max(self.total_time_s, 1e-9)
-
-  def summary(self) -> dict:
-    return dict(steps=self.steps, spec_steps=self.spec_steps, tokens=self.tokens,
-                tokens_per_s=self.tokens_per_s, mean_accepted_length=self.mean_accepted_length,
-                forwards_per_token=self.forwards_per_token,
-                slot_utilisation=self.slot_utilisation, drafted=self.drafted,
-                accepted=self.accepted, positions=self.positions,
-                live_positions=self.live_positions, host_waits=self.host_waits,
-                draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
-                lookahead_time_s=self.lookahead_time_s,
-                lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
-                ahead_misses=self.ahead_misses, total_time_s=self.total_time_s)
 
 
 @dataclasses.dataclass
@@ -233,45 +71,6 @@ def _timed(fn, *args):
   return out, time.perf_counter() - t0
 
 
-# Compiled once per process, model structure and shape (`_model_fns` below), so engines over
-# the same model share compilations. TRACE_COUNTS counts traces (= compilations) per function,
-# for tests and logs.
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-def _counted(kind, fn):
-  @functools.wraps(fn)
-  def wrapped(*args, **kw):
-    TRACE_COUNTS[kind] += 1  # runs once per trace
-    return fn(*args, **kw)
-  return wrapped
-
-
-@functools.lru_cache(maxsize=16)
-def _model_fns(graphdef, treedef):
-  """Verify and prefill jitted for one model structure, taking the params as a flat list.
-
-  Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
-  State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
-  Engines over the same structure share these functions and their compilations.
-  """
-  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len):
-    return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
-                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len)
-
-  def prefill(leaves, cache, slot, chunk, start):
-    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
-                              chunk, start)
-
-  return (jax.jit(_counted("step", verify),
-                  static_argnames=("filters", "max_kv_len", "max_q_len"), donate_argnums=(1,)),
-          jax.jit(_counted("prefill", prefill), donate_argnums=(1,)))
-
-
-_load_jit = jax.jit(_counted("load", step.load_slots), donate_argnums=(0,))
-_regroup_jit = jax.jit(_counted("regroup", step.regroup))
-
-
 class RolloutEngine:
   """Generates responses for many requests; see the module docstring."""
 
@@ -280,7 +79,12 @@ class RolloutEngine:
     self.model_config = model.cfg
     self.graphdef, self.params = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(self.params)
-    self._verify_fn, self._prefill_fn = _model_fns(self.graphdef, treedef)
+    self._verify_fn, self._prefill_fn = compiled.model_fns(self.graphdef, treedef)
+    # The attention implementation every step compiles with (logs why once if it falls back);
+    # a kernel reads only live KV, so it needs no cache-length buckets.
+    self.attention_impl = resolve_attention(config.attention, model.cfg, config.cache_len)
+    self.kv_lengths = (config.kv_lengths() if self.attention_impl == "xla"
+                       else (config.cache_len,))
     self._seed = jnp.uint32(config.seed)
     self.drafter = drafter
     self.costs = CostModel()
@@ -302,7 +106,7 @@ class RolloutEngine:
     """Moves rows `order` into the next smaller bucket (one level at a time, so only
     len(buckets) - 1 regroup shapes ever compile)."""
     smaller = max(b for b in self.config.buckets if b < bucket)
-    return _regroup_jit(state, jnp.asarray(order[:smaller], jnp.int32)), smaller
+    return compiled.regroup_jit(state, jnp.asarray(order[:smaller], jnp.int32)), smaller
 
   def shapes(self, bucket: int) -> list[tuple[int, int]]:
     """(P, T) of every compiled step of a bucket, plain first."""
@@ -319,7 +123,7 @@ class RolloutEngine:
       state = self._admit(self._new_state(bucket), dummy)
       for _ in range(2):
         for p, t in self.shapes(bucket):
-          for s in self.config.kv_lengths():
+          for s in self.kv_lengths:
             trees = accept.pack([None] * bucket, [True] * bucket, p)
             state, out = self.verify(state, trees, filters, s, t)
             t0 = time.perf_counter()
@@ -342,7 +146,8 @@ class RolloutEngine:
              max_kv_len: int, max_q_len: int):
     """One jitted verify step (`step.verify_step`) with this engine's params."""
     return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters,
-                           max_kv_len=max_kv_len, max_q_len=max_q_len)
+                           max_kv_len=max_kv_len, max_q_len=max_q_len,
+                           attention_impl=self.attention_impl)
 
   def bucket_for(self, n: int) -> int:
     """The smallest bucket holding n requests (the largest bucket if none does)."""
@@ -350,7 +155,7 @@ class RolloutEngine:
     return min(fits) if fits else max(self.config.buckets)
 
   def _kv_len_for(self, need: int) -> int:
-    return min((s for s in self.config.kv_lengths() if s >= need),
+    return min((s for s in self.kv_lengths if s >= need),
                default=self.config.cache_len)
 
   # ---- request handling ------------------------------------------------------------------------
@@ -402,7 +207,7 @@ class RolloutEngine:
       new[slot] = True
       length[slot], root[slot], request[slot] = len(body), prompt[-1], req.request_id
       temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
-    state = _load_jit(state.replace(cache=cache), new, length, root, request, temperature,
+    state = compiled.load_slots_jit(state.replace(cache=cache), new, length, root, request, temperature,
                       top_p, top_k)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
     return state
@@ -444,7 +249,7 @@ class RolloutEngine:
       return False
     if mode == "always":
       return True
-    s = self.config.kv_lengths()[-1]
+    s = self.kv_lengths[-1]
     cap = max(t for _, t in shapes) - 1
     values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
               for i in live_idx]
@@ -452,9 +257,11 @@ class RolloutEngine:
                                     values, len(live_idx))
     return shape[1] != bucket
 
-  def generate(self, requests: Sequence[Request]) -> list[RequestResult]:
+  def generate(self, requests: Sequence[Request], admission: AdmissionOrder | None = None
+               ) -> list[RequestResult]:
     """Runs every request to completion; results in the order of `requests`.
 
+    `admission` picks which queued request takes each free slot (default: arrival order).
     A request that cannot run (empty or too-long prompt, bad sampling params) gets a result with
     finish_reason "error" and a message; the others run as usual.
     """
@@ -462,7 +269,7 @@ class RolloutEngine:
     self.stats = stats = EngineStats()
     cfg = self.config
     results: dict[int, RequestResult] = {}
-    queue: collections.deque[Request] = collections.deque()
+    queue: list[Request] = []
     seen: set = set()
     for req in requests:
       err = self._validate(req, seen)
@@ -474,6 +281,13 @@ class RolloutEngine:
       else:
         queue.append(req)
     order = [id(r) for r in requests]
+    if admission is not None:
+      opening = list(admission.order(queue))
+      if sorted(map(id, opening)) != sorted(map(id, queue)):
+        raise ValueError("generate: admission.order(requests) must return a permutation of the "
+                         "valid requests")
+      queue = opening
+    finished_len: dict[int, int] = {}  # request id -> response length, for online orders
     group_left = collections.Counter(r.group_id for r in queue)  # live + queued per group
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
@@ -494,6 +308,7 @@ class RolloutEngine:
           steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
           finish_time=time.perf_counter() - t0)
       lv.done = True
+      finished_len[lv.req.request_id] = len(lv.tokens)
       slots[slot] = None
       self.costs.forget(lv.req.request_id)
       if self.drafter is not None:
@@ -547,10 +362,18 @@ class RolloutEngine:
     while queue or any(slots) or pending is not None:
       ta = time.perf_counter()
       admits = []
+      live_len = ({s.req.request_id: len(s.tokens) for s in slots if s is not None}
+                  if admission is not None and queue else {})
       for i in range(bucket):
         if slots[i] is None and queue:
-          admits.append((i, queue.popleft()))
+          k = 0 if admission is None else admission.next_to_admit(queue, finished_len, live_len)
+          if not 0 <= k < len(queue):
+            raise ValueError(f"generate: admission.next_to_admit returned {k} for a queue of "
+                             f"{len(queue)}")
+          admits.append((i, queue.pop(k)))
           slots[i] = _Live(admits[-1][1], [], [])
+          live_len[admits[-1][1].request_id] = 0
+          stats.admitted.append(admits[-1][1].request_id)
       state = self._admit(state, admits)
       live_idx = [i for i in range(bucket) if slots[i] is not None]
       if pending is None:

@@ -6,7 +6,7 @@ metadata (`RequestMeta`) and what has been generated so far; they never touch to
 keys, so the order changes when a request runs but never what it samples (the engine's keys
 depend on (seed, request_id, position) alone).
 
-Two ways an engine uses a policy:
+How an engine uses a policy (the rollout engine through `EngineOrder`):
   queue = policy.order(metas)                       # once, before the first admission
   while a slot is free and queue:                   # each time slots free up
     i = policy.next_to_admit(queue, finished, live)  # finished: {request_id: length},
@@ -15,7 +15,7 @@ Static policies (`online = False`) always return 0 from an ordered queue, so the
 from the front; online ones (probe-first) re-rank as siblings finish. A policy assumes the
 request it returns is admitted.
 
-HistoPipe's cross-step alternation: `PredictedPolicy(..., step=k, alternate=True)` orders
+HistoPipe's cross-step alternation: `predicted_policy(predictor, step=k, alternate=True)` orders
 long->short on even steps and short->long on odd ones, so that when rollout and training
 overlap a worker slowed by long work at the end of one step starts the next with short work.
 """
@@ -175,6 +175,36 @@ class ContextAwarePolicy:
                                                    queue[i].index))
     self._started.add(queue[best].group_id)
     return best
+
+
+class EngineOrder:
+  """An `AdmissionPolicy` as the rollout engine's `AdmissionOrder` (which speaks `Request`s):
+
+    engine.generate(requests, admission=EngineOrder(make_policy("history", predictor=p)))
+
+  `metas` ({request_id: RequestMeta}) keeps the data-order indices of a plan made over more
+  requests than this engine gets; by default a request's index is its position in `order`'s
+  input. Static policies sort the queue once and then admit from its front.
+  """
+
+  def __init__(self, policy: AdmissionPolicy, metas: Mapping[int, RequestMeta] | None = None):
+    self.policy = policy
+    self._metas = dict(metas) if metas is not None else None
+    self._current: dict[int, RequestMeta] = {}
+
+  def order(self, requests: Sequence) -> list:
+    metas = [self._metas[r.request_id] if self._metas is not None
+             else RequestMeta.from_request(r, i) for i, r in enumerate(requests)]
+    self._current = {m.request_id: m for m in metas}
+    by_id = {r.request_id: r for r in requests}
+    return [by_id[m.request_id] for m in self.policy.order(metas)]
+
+  def next_to_admit(self, queue: Sequence, finished: Mapping[int, int],
+                    live: Mapping[int, int]) -> int:
+    if not self.policy.online:
+      return 0
+    return self.policy.next_to_admit([self._current[r.request_id] for r in queue], finished,
+                                     live)
 
 
 def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,

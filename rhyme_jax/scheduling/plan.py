@@ -1,11 +1,14 @@
-"""One call for the trainer: this shard's requests of a step, in admission order.
+"""One call for the trainer: this shard's requests of a step, and the order to admit them.
 
   plan = plan_step(requests, predictor, step=k, num_shards=D, policy="history")
-  mine = plan.requests_for(shard)          # what this host/shard generates, in admission order
-  engine.generate(mine)                    # or hand plan.policies[shard] to the engine
+  mine = plan.requests_for(shard)          # what this host/shard generates
+  engine.generate(mine, admission=plan.admission(shard))
 
 Every host calls it with the same requests in the same order and the same history, and gets
 the same plan (see `assignment`); the order changes when a request runs, never what it samples.
+
+`SCHEDULES` is the trainer's `--schedule` choice list (rhyme_jax/config.py mirrors its keys):
+each name maps to the admission policy it runs.
 """
 
 from __future__ import annotations
@@ -13,9 +16,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Sequence
 
-from rhyme_jax.scheduling.admission import AdmissionPolicy, make_policy, metas_from_requests
+from rhyme_jax.scheduling.admission import (AdmissionPolicy, EngineOrder, RequestMeta,
+                                            make_policy, metas_from_requests)
 from rhyme_jax.scheduling.assignment import plan_shards
 from rhyme_jax.scheduling.predictor import LengthPredictor
+
+SCHEDULES = {
+    "fifo": "fifo",  # arrival (data) order
+    "history": "history",  # longest predicted first (HistoPipe's in-step order)
+    "alternate": "history_alt",  # long->short on even steps, short->long on odd (HistoPipe)
+    "probe": "history_probe",  # Seer probe-first, probes ordered by history where it exists
+}
 
 
 @dataclasses.dataclass
@@ -25,11 +36,20 @@ class StepPlan:
   shard_of_group: dict[Hashable, int]
   ordered: list[list]  # per shard: the requests, in the policy's opening order
   policies: list[AdmissionPolicy]  # per shard; online ones re-rank as siblings finish
+  metas: dict[int, RequestMeta] = dataclasses.field(default_factory=dict)  # by request id
+
+  def _check(self, shard: int, where: str) -> None:
+    if not 0 <= shard < len(self.ordered):
+      raise ValueError(f"StepPlan.{where}: shard {shard} of {len(self.ordered)}")
 
   def requests_for(self, shard: int) -> list:
-    if not 0 <= shard < len(self.ordered):
-      raise ValueError(f"StepPlan.requests_for: shard {shard} of {len(self.ordered)}")
+    self._check(shard, "requests_for")
     return list(self.ordered[shard])
+
+  def admission(self, shard: int) -> EngineOrder:
+    """The engine's `AdmissionOrder` for this shard (data-order ties as in the plan)."""
+    self._check(shard, "admission")
+    return EngineOrder(self.policies[shard], self.metas)
 
 
 def plan_step(requests: Sequence, predictor: LengthPredictor | None, *, step: int = 0,
@@ -50,4 +70,4 @@ def plan_step(requests: Sequence, predictor: LengthPredictor | None, *, step: in
     mine = [m for m in metas if shard_of[m.group_id] == shard]
     ordered.append([by_id[m.request_id] for m in pol.order(mine)])
     policies.append(pol)
-  return StepPlan(shard_of, ordered, policies)
+  return StepPlan(shard_of, ordered, policies, {m.request_id: m for m in metas})

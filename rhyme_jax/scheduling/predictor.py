@@ -62,12 +62,8 @@ class LengthTable:
 
 
 class StoreLengths:
-  """A `LengthSource` over a `HistoryStore`, without touching its LRU order.
-
-  Uses `store.epoch_lengths(key)` when the store has it; otherwise reads the store's entries
-  directly (a scheduling look-up must not count as a use; `HistoryStore.predicted_length` reads
-  them the same way).
-  """
+  """A `LengthSource` over a `history.store.HistoryStore` (`store.epoch_lengths`, which leaves
+  the store's LRU order alone: a scheduling look-up is not a use)."""
 
   def __init__(self, store):
     self.store = store
@@ -76,10 +72,7 @@ class StoreLengths:
     return list(self.store.keys())
 
   def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
-    if hasattr(self.store, "epoch_lengths"):
-      return list(self.store.epoch_lengths(key))
-    groups = self.store._entries.get(key) or []  # pylint: disable=protected-access
-    return [(g.epoch, g.lengths) for g in groups if len(g.responses)]
+    return list(self.store.epoch_lengths(key))
 
 
 def group_stat(lengths: np.ndarray, stat: str) -> float:

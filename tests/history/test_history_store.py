@@ -30,6 +30,11 @@ def test_epochs_kept_and_predicted_length():
   assert store.num_tokens == 10 + 20 + 3
   assert store.predicted_length("missing") is None
   assert [len(r) for r in store.responses("p")] == [10, 20, 3]
+  store.add_group("q", 0, [[1] * 5])
+  assert store.keys() == ["p", "q"]
+  lengths = store.epoch_lengths("p")  # what scheduling reads; not a use (LRU order kept)
+  assert [e for e, _ in lengths] == [1, 2] and [l.tolist() for _, l in lengths] == [[10, 20], [3]]
+  assert store.keys() == ["p", "q"] and store.epoch_lengths("missing") == []
 
 
 def test_lru_eviction_by_tokens():

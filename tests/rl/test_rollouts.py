@@ -27,6 +27,8 @@ def test_engine_config_shapes():
   assert e.buckets == (8, 4, 2, 1) and e.max_draft == 4 and e.max_len == 70
   assert engine_config(_config("--prompts_per_step=3"), (2,), False).buckets == (12, 8, 4, 2, 1)
   assert engine_config(_config(), (2,), drafting=False).max_draft == 0
+  assert engine_config(_config("--rollout_slots=3"), (2,), False).buckets == (3, 2, 1)
+  assert engine_config(_config("--rollout_slots=64"), (2,), False).buckets == (8, 4, 2, 1)
 
 
 def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tokenizer):
@@ -52,6 +54,35 @@ def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tok
   other = rollouts.sample_round(prompts, 4, 0, {})
   flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
   assert flat(again) == flat(groups) and flat(other) != flat(groups)
+
+
+def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
+  """--schedule keeps a history store even without speculation, orders admissions from it
+  (the second visit of a prompt has history), logs makespan and tail, and samples what FIFO
+  samples."""
+  tok = smollm2_tokenizer
+  model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
+  examples = [Example(u, q, "#### 1") for u, q in (("a", "1+1?"), ("b", "2+2?"), ("c", "3+3?"))]
+  prompts = encode_prompts(["one", "two plus two", "three"], examples, [0] * 3, tok, 64)
+  flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
+  out = {}
+  for schedule in ("fifo", "history", "alternate", "probe"):
+    config = _config("--spec=none", f"--schedule={schedule}", "--prompts_per_step=3")
+    rollouts = Rollouts(config, model, tok, Scorer(tok, get_reward_fn("format"), 6))
+    assert (rollouts.store is None) == (schedule == "fifo")
+    assert rollouts.drafter is None and rollouts.engine.config.max_draft == 0  # no speculation
+    stats = {}
+    first = rollouts.sample_round(prompts, 1, 0, stats)
+    assert stats["time/rollout_makespan"] >= stats["time/rollout_tail"] >= 0.0
+    rollouts.record([GroupRecord.of(g) for g in first])  # what the trainer does after a step
+    second = rollouts.sample_round(prompts, 2, 0, {})
+    if schedule != "fifo":
+      assert len(rollouts.store) == 3 and rollouts.predictor.predict(prompts[0].key).known
+    out[schedule] = (flat(first), flat(second), rollouts.engine.stats.admitted)
+  for schedule in ("history", "alternate", "probe"):
+    assert out[schedule][:2] == out["fifo"][:2], schedule
+  assert out["fifo"][2] == sorted(out["fifo"][2])
+  assert out["probe"][2][:3] == [out["probe"][2][0] + 4 * k for k in range(3)]  # probes first
 
 
 def test_rollout_metrics():

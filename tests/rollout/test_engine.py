@@ -1,6 +1,8 @@
 """Engine behaviour: speculation never changes what is sampled, shapes compile once, slots stay
 full, bad requests fail alone."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -198,6 +200,73 @@ def test_cost_model_chooses_plain_and_packed_steps(tiny_model):
   assert sorted(drafter.ended) == [0, 1]
 
 
+class _Order:
+  """A test admission order: opening order by `key`; online, the queued request whose group
+  has the longest finished response so far (ties: queue order), as Seer's estimate does."""
+
+  def __init__(self, key=None, online=False):
+    self.key, self.online, self.calls = key, online, 0
+
+  def order(self, reqs):
+    return sorted(reqs, key=self.key) if self.key else list(reqs)
+
+  def next_to_admit(self, queue, finished, live):
+    self.calls += 1
+    assert not set(finished) & set(live)
+    if not self.online:
+      return 0
+    longest = {}
+    for rid, n in finished.items():
+      longest[rid // 4] = max(longest.get(rid // 4, 0), n)
+    return min(range(len(queue)), key=lambda i: -longest.get(queue[i].request_id // 4, -1))
+
+
+def test_admission_order_changes_when_not_what(tiny_model):
+  """Requests of varied lengths (max_new_tokens 2..30, EOS) in arrival order, longest-first,
+  shortest-first and an online order: the engine admits in the order asked, and every request
+  samples the same tokens (keys depend on seed, request id and position only)."""
+  rng = np.random.default_rng(7)
+  prompts = mixed_prompts(12, 64, seed=5)
+  reqs = [Request(i, prompts[i], SamplingParams(temperature=1.0, max_new_tokens=int(n)),
+                  group_id=i // 4) for i, n in enumerate(rng.integers(2, 31, size=12))]
+  cap = lambda r: r.params.max_new_tokens
+  orders = {"fifo": None, "longest": _Order(key=lambda r: (-cap(r), r.request_id)),
+            "shortest": _Order(key=lambda r: (cap(r), r.request_id)),
+            "online": _Order(online=True)}
+  runs = {}
+  for name, order in orders.items():
+    eng = engine(tiny_model, None, budget=0, buckets=(4, 2, 1))
+    runs[name] = eng.generate(reqs, admission=order)
+    admitted = eng.stats.admitted
+    assert sorted(admitted) == list(range(12))
+    if order is not None and order.key is not None:
+      assert admitted == [r.request_id for r in order.order(reqs)], name
+    if name == "online":
+      assert order.calls == 12 and admitted[:4] == [0, 1, 2, 3]
+  assert runs["fifo"] and [r.request_id for r in runs["longest"]] == list(range(12))
+  crc = {name: zlib.crc32(b"".join(r.tokens.astype("<i4").tobytes() for r in res))
+         for name, res in runs.items()}
+  assert len(set(crc.values())) == 1, crc
+  lengths = [len(r.tokens) for r in runs["fifo"]]
+  assert len(set(lengths)) > 4  # varied lengths: the orders really differ in what runs when
+
+
+def test_bad_admission_order_is_named(tiny_model):
+  class Drops(_Order):
+    def order(self, reqs):
+      return list(reqs)[1:]
+
+  class OutOfRange(_Order):
+    def next_to_admit(self, queue, finished, live):
+      return len(queue)
+
+  reqs = requests(PARAMS["greedy"], n=3)
+  with pytest.raises(ValueError, match="permutation of the valid requests"):
+    engine(tiny_model, None, budget=0).generate(reqs, admission=Drops())
+  with pytest.raises(ValueError, match="next_to_admit returned 3 for a queue of 3"):
+    engine(tiny_model, None, budget=0).generate(reqs, admission=OutOfRange())
+
+
 def test_bad_engine_config_is_named():
   with pytest.raises(ValueError, match=r"draft_mode='fast': expected one of \('sync'"):
     EngineConfig(draft_mode="fast")
@@ -205,3 +274,5 @@ def test_bad_engine_config_is_named():
     EngineConfig(max_draft=40)
   with pytest.raises(ValueError, match=r"speculate='maybe'"):
     EngineConfig(speculate="maybe")
+  with pytest.raises(ValueError, match=r"attention='triton': expected one of \('xla'"):
+    EngineConfig(attention="triton")

@@ -1,6 +1,8 @@
 """plan_step: the trainer's one call (shard plan + admission order), and the guarantee that an
 admission order changes when requests run, never what they sample (the real engine)."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -8,7 +10,7 @@ from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.transformer import init_model
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
-from rhyme_jax.scheduling.plan import plan_step
+from rhyme_jax.scheduling.plan import SCHEDULES, plan_step
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 
 G = 4
@@ -56,19 +58,42 @@ def test_plan_orders_and_shards_deterministically():
     plan.requests_for(2)
 
 
+def _crc(results):
+  return zlib.crc32(b"".join(r.tokens.astype("<i4").tobytes() for r in results))
+
+
 def test_admission_order_does_not_change_what_is_sampled(tiny_model):
+  """The real engine under every trainer schedule (fifo, history longest-first, the odd step of
+  the alternation, Seer probe-first with online feedback) and a random order: it admits in the
+  plan's order and samples the same tokens (CRC32 over all responses)."""
   cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=0, eos_ids=(3,), seed=5)
   reqs = _requests(4)
   first = RolloutEngine(tiny_model, cfg).generate(reqs)
   lengths = {r.request_id: len(r.tokens) for r in first}
+  assert len(set(lengths.values())) > 3
   table = LengthTable()
   for g in range(4):
     table.add(f"p{g}", 0, [lengths[g * G + j] for j in range(G)])
   pred = LengthPredictor(table)
-  for policy in ("history", "random"):
-    order = plan_step(reqs, pred, policy=policy, seed=1).requests_for(0)
-    assert [r.request_id for r in order] != [r.request_id for r in reqs]
-    again = {r.request_id: r for r in RolloutEngine(tiny_model, cfg).generate(order)}
-    for a in first:
-      np.testing.assert_array_equal(a.tokens, again[a.request_id].tokens,
-                                    err_msg=f"{policy}: request {a.request_id}")
+  crcs = {"fifo": _crc(first)}
+  for name, step in [*[(s, 1) for s in SCHEDULES.values()], ("random", 0)]:
+    plan = plan_step(reqs, pred, policy=name, step=step, seed=1)
+    eng = RolloutEngine(tiny_model, cfg)
+    res = eng.generate(reqs, admission=plan.admission(0))
+    crcs[name] = _crc(res)
+    for a, b in zip(first, res):
+      np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"{name}: {a.request_id}")
+    opening = [r.request_id for r in plan.requests_for(0)]
+    if name == "history_probe":  # probes (one per group) first, by predicted length
+      assert len({i // G for i in eng.stats.admitted[:4]}) == 4
+      assert eng.stats.admitted[:4] == [opening[k] for k in range(0, 16, G)]
+    else:
+      assert eng.stats.admitted == opening, name
+    if name != "fifo":
+      assert opening != [r.request_id for r in reqs], name
+  assert len(set(crcs.values())) == 1, crcs
+  # The alternation: long->short on even steps, short->long on odd ones.
+  for step, sign in ((0, -1), (1, 1)):
+    order = plan_step(reqs, pred, policy="history_alt", step=step).requests_for(0)
+    predicted = [pred.predict(r.prompt_key).length for r in order]
+    assert predicted == sorted(predicted, key=lambda x: sign * x)

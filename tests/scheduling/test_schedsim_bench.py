@@ -53,12 +53,12 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   trace = schedsim.synthetic_trace(3, num_prompts=8, group_size=4, max_new_tokens=64)
   schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
   schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
-                 "--no_append"])
+                 "--blind_draws", "3", "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 10, 18)}
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 10, 12, 18)}
   num_scenarios = len(schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, chunk=64, plans="data_order,lpt_history,lpt_oracle")))
-  assert by_width == {6: 8, 10: 2 * len(schedsim.POLICIES), 18: num_scenarios}
+  assert by_width == {6: 8, 10: 2 * len(schedsim.POLICIES), 12: 2, 18: num_scenarios}
   assert len(lines) == sum(by_width.values())
   assert "targets, small.jsonl" in out

@@ -1,0 +1,55 @@
+"""The engine's compiled functions, jitted once per process and model structure.
+
+Engines over the same model share these and their compilations; TRACE_COUNTS counts traces
+(= compilations) per function so tests can assert that nothing compiles inside a rollout.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+
+from rhyme_jax.rollout import step
+
+
+# Compiled once per process, model structure and shape (`_model_fns` below), so engines over
+# the same model share compilations. TRACE_COUNTS counts traces (= compilations) per function,
+# for tests and logs.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def counted(kind, fn):
+  @functools.wraps(fn)
+  def wrapped(*args, **kw):
+    TRACE_COUNTS[kind] += 1  # runs once per trace
+    return fn(*args, **kw)
+  return wrapped
+
+
+@functools.lru_cache(maxsize=16)
+def model_fns(graphdef, treedef):
+  """Verify and prefill jitted for one model structure, taking the params as a flat list.
+
+  Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
+  State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
+  Engines over the same structure share these functions and their compilations.
+  """
+  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len, attention_impl):
+    return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
+                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len,
+                            attention_impl=attention_impl)
+
+  def prefill(leaves, cache, slot, chunk, start):
+    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
+                              chunk, start)
+
+  return (jax.jit(counted("step", verify),
+                  static_argnames=("filters", "max_kv_len", "max_q_len",
+                                   "attention_impl"), donate_argnums=(1,)),
+          jax.jit(counted("prefill", prefill), donate_argnums=(1,)))
+
+
+load_slots_jit = jax.jit(counted("load", step.load_slots), donate_argnums=(0,))
+regroup_jit = jax.jit(counted("regroup", step.regroup))

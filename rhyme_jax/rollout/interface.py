@@ -1,0 +1,226 @@
+"""The engine's narrow interface: requests in, results out, its static config and its counters.
+
+Kept apart from the step loop (engine.py) so the trainer, benches and schedulers can build
+requests and configs, and read stats, without the loop's internals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Hashable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from rhyme_jax.config import ATTENTIONS
+from rhyme_jax.rollout import accept
+from rhyme_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: int
+  prompt: Sequence[int]
+  params: SamplingParams = SamplingParams()
+  group_id: Hashable = None
+  prompt_key: Hashable = None  # key into the history store; defaults to the prompt tokens
+
+
+class AdmissionOrder(Protocol):
+  """Which queued request takes the next free slot (`RolloutEngine.generate(..., admission=)`).
+
+  `order(requests)` once, before the first admission: the opening queue (a permutation of
+  `requests`). Then, each time a slot frees, `next_to_admit(queue, finished, live)` returns the
+  position in `queue` to admit, given {request_id: response length} of the finished requests
+  and of the live ones (admitted ones start at 0). Static orders return 0; online ones (Seer's
+  probe-first) re-rank as siblings finish. Implementations live in `scheduling/`. An order
+  changes when a request runs, never what it samples: sampling keys depend on (seed,
+  request_id, position) alone.
+  """
+
+  def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...
+
+  def next_to_admit(self, queue: Sequence[Request], finished: Mapping[int, int],
+                    live: Mapping[int, int]) -> int: ...
+
+
+@dataclasses.dataclass
+class RequestResult:
+  request_id: int
+  group_id: Hashable
+  prompt: np.ndarray
+  tokens: np.ndarray  # int32 response tokens (EOS / stop sequence included when hit)
+  logprobs: np.ndarray  # float32, one per response token
+  finish_reason: str  # "eos" | "stop" | "length" | "error"
+  error: str | None = None
+  steps: int = 0  # verify steps this request took part in
+  drafted: int = 0  # draft tokens proposed for it
+  accepted: int = 0  # draft tokens accepted
+  finish_time: float = 0.0  # seconds since the start of the rollout
+
+
+DRAFT_MODES = ("sync", "ahead", "ahead_only")
+SPECULATE = ("auto", "always", "never")
+# Cache lengths are rounded up to a power-of-two multiple in [16, 512], the Pallas kernels' KV
+# block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
+# positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
+KV_ALIGN_MIN, KV_ALIGN_MAX = 16, 512
+
+
+def kv_align(s: int) -> int:
+  """The multiple a cache length of about s positions is rounded up to."""
+  return min(KV_ALIGN_MAX, max(KV_ALIGN_MIN, 1 << max(0, (s // 16).bit_length() - 1)))
+
+
+def round_kv(s: int) -> int:
+  """s rounded up to its alignment (kv_align): what the kernels' blocks divide."""
+  a = kv_align(s)
+  return -(-s // a) * a
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shapes and policies. `max_len` bounds prompt + response tokens per request.
+
+  The engine alone sizes drafts: each bucket B compiles a plain step (P = B packed tokens, one
+  per row) and one speculative step per `pack_factors` entry f (P = B + max((f-1)·B, 8·(f-1))
+  positions, at most `max_draft` draft nodes per row, fewer at large B so attention's row block
+  stays small), each for `kv_buckets` cache-length buckets.
+  """
+
+  max_len: int = 512
+  buckets: tuple[int, ...] = (32, 16, 8, 4, 2, 1)
+  max_draft: int = 16  # most draft nodes verified per row per step (<= 31); 0 = never speculate
+  pack_factors: tuple[int, ...] = (2, 4)
+  kv_buckets: int = 2  # cache-length buckets compiled: S, S/2, ... (attention reads one)
+  # "auto": the cost model decides each step (plain where speculation cannot pay); "always":
+  # every step uses the largest speculative shape, drafts or not (tests, benches: one shape);
+  # "never": plain steps only.
+  speculate: str = "auto"
+  pipeline: bool = True  # dispatch a plain step before reading the previous one
+  prefill_chunk: int = 64
+  eos_ids: tuple[int, ...] = ()
+  seed: int = 0
+  # Where host drafting runs (drafters without `lookahead` always draft synchronously):
+  # - "sync": before each step, on the critical path (the device waits);
+  # - "ahead": the drafter's `lookahead` runs in a background thread on this step's contexts
+  #   (budget: `lookahead_budget`) while the device verifies; next step each request gets the
+  #   part of that tree continuing what it emitted (`DraftQuery.ahead`), and drafts
+  #   synchronously only where the emitted tokens left the tree;
+  # - "ahead_only": as "ahead", but never on the critical path.
+  draft_mode: str = "sync"
+  # Decode attention (config.ATTENTIONS): "xla", "pallas" (the backend's Pallas kernel; the XLA
+  # path with one logged reason on CPU or an unsupported shape) or "pallas_interpret" (that
+  # kernel interpreted, for CPU tests). A static part of every compiled step.
+  attention: str = "xla"
+
+  def __post_init__(self):
+    if not self.buckets or any(b <= 0 for b in self.buckets):
+      raise ValueError(f"buckets={self.buckets}: must be a non-empty list of positive sizes")
+    if not 0 <= self.max_draft < accept.MAX_ROW_TOKENS:
+      raise ValueError(f"max_draft={self.max_draft}: must be in [0, {accept.MAX_ROW_TOKENS})")
+    if any(f < 2 for f in self.pack_factors):
+      raise ValueError(f"pack_factors={self.pack_factors}: each must be >= 2")
+    if self.kv_buckets < 1:
+      raise ValueError(f"kv_buckets={self.kv_buckets}: must be >= 1")
+    if self.speculate not in SPECULATE:
+      raise ValueError(f"speculate={self.speculate!r}: expected one of {SPECULATE}")
+    if self.max_len < 2:
+      raise ValueError(f"max_len={self.max_len}: must be >= 2")
+    if self.prefill_chunk <= 0:
+      raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
+    if self.draft_mode not in DRAFT_MODES:
+      raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTIONS}")
+
+  @property
+  def row_tokens(self) -> int:
+    return 1 + self.max_draft
+
+  @property
+  def cache_len(self) -> int:
+    """Room for a request's tokens plus one step's tree and one pipelined step past its end,
+    rounded up (round_kv) so the Pallas kernels' KV blocks divide it. Positions past a row's
+    length are never attended (the XLA path masks them, the kernels never read them)."""
+    return round_kv(self.max_len + 2 * self.row_tokens)
+
+  @property
+  def lookahead_budget(self) -> int:
+    """Nodes drafted ahead: this step's draft, its bonus token and the next draft."""
+    return 2 * self.max_draft + 1
+
+  def kv_lengths(self) -> tuple[int, ...]:
+    """Cache-length buckets the XLA path slices attention to: S, S/2, ... each rounded up."""
+    s = self.cache_len
+    return tuple(sorted({min(s, round_kv(s >> i)) for i in range(self.kv_buckets)}))
+
+  def spec_shapes(self, bucket: int) -> tuple[tuple[int, int], ...]:
+    """(P, T) of the speculative steps of a bucket: packed size, tokens per row."""
+    if self.max_draft == 0 or self.speculate == "never":
+      return ()
+    out = []
+    for f in sorted(self.pack_factors):
+      p = bucket + max((f - 1) * bucket, 8 * (f - 1))
+      t = min(self.row_tokens, p - bucket + 1, max(4, 256 // bucket))
+      if (p, t) not in out:
+        out.append((p, t))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one `generate` call (peers' names: mean accepted length, slot utilisation)."""
+
+  steps: int = 0  # verify steps (target forward passes of the decode phase)
+  spec_steps: int = 0  # of which speculative
+  prefill_chunks: int = 0
+  prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
+  tokens: int = 0  # response tokens emitted
+  useful_slot_steps: int = 0
+  slot_steps: int = 0
+  drafted: int = 0  # draft nodes verified
+  accepted: int = 0
+  positions: int = 0  # packed positions computed (sum of P over steps)
+  live_positions: int = 0  # live rows + drafted nodes (sum over steps)
+  host_waits: int = 0  # reads of step outputs with no later step queued (the device idles)
+  draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
+  device_time_s: float = 0.0  # blocking waits for step outputs
+  lookahead_time_s: float = 0.0  # background drafting, overlapped with device_time_s
+  lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
+  ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
+  ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead
+  total_time_s: float = 0.0
+  steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
+  # per step: (bucket, packed P, live, queued)
+  trace: list = dataclasses.field(default_factory=list)
+  admitted: list = dataclasses.field(default_factory=list)  # request ids in admission order
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """Tokens emitted per slot-verify (bonus included): 1.0 means no speculation gain."""
+    return self.tokens / max(self.useful_slot_steps, 1)
+
+  @property
+  def forwards_per_token(self) -> float:
+    return self.steps / max(self.tokens, 1)
+
+  @property
+  def slot_utilisation(self) -> float:
+    return self.useful_slot_steps / max(self.slot_steps, 1)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / max(self.total_time_s, 1e-9)
+
+  def summary(self) -> dict:
+    return dict(steps=self.steps, spec_steps=self.spec_steps, tokens=self.tokens,
+                tokens_per_s=self.tokens_per_s, mean_accepted_length=self.mean_accepted_length,
+                forwards_per_token=self.forwards_per_token,
+                slot_utilisation=self.slot_utilisation, drafted=self.drafted,
+                accepted=self.accepted, positions=self.positions,
+                live_positions=self.live_positions, host_waits=self.host_waits,
+                draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
+                lookahead_time_s=self.lookahead_time_s,
+                lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
+                ahead_misses=self.ahead_misses, total_time_s=self.total_time_s)
