@@ -60,8 +60,8 @@ def main(log_dir: str, argv: list[str]) -> None:
   engine, learner = t.rollouts.engine, t.learner
   generate, train_on = engine.generate, learner.train_on
 
-  def logged_generate(requests):
-    results = generate(requests)
+  def logged_generate(requests, **kwargs):
+    results = generate(requests, **kwargs)
     emit(kind="generate", step=t.step,
          greedy=bool(requests) and requests[0].params.temperature == 0,
          ids=[r.request_id for r in requests], lengths=[len(r.tokens) for r in results],
