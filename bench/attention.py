@@ -12,7 +12,8 @@ adds 1 new token per row (zero draft tokens), "verify" adds a draft tree of `--t
   "% copy" compares it with the device's measured copy bandwidth (read+write of a large array).
 Timings: compiled and run once untimed, then the median of `--reps` runs (block_until_ready).
 Outputs of the two paths are compared (max |diff|). The table is printed and appended to
-bench/RESULTS.md.
+bench/RESULTS.md. The engine's whole plain and speculative steps with the kernel vs the XLA
+path: bench/engine_attention.py.
 
   python bench/attention.py                           # GPU/TPU: 1.5B and 7B heads, 1K-16K, 1-256 rows
   python bench/attention.py --smoke                   # CPU: tiny sizes, kernels in interpret mode

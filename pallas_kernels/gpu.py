@@ -41,7 +41,7 @@ def pick_block(cache_len: int, block_kv: int) -> int | None:
 
 
 def _kernel(kv_len_ref, q_len_ref, q_ref, mask_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
-            block: int, num_words: int, num_splits: int, sm_scale: float):
+            block: int, num_words: int, num_splits: int, sm_scale: float, layer: int):
   b = pl.program_id(0)
   h = pl.program_id(1)
   split = pl.program_id(2)
@@ -59,8 +59,8 @@ def _kernel(kv_len_ref, q_len_ref, q_ref, mask_ref, k_ref, v_ref, m_ref, l_ref, 
 
   def step(i, state, *, masked: bool):
     start = pl.multiple_of(i * block, block)
-    k_CxH = k_ref[b, pl.ds(start, block), h, :]
-    v_CxH = v_ref[b, pl.ds(start, block), h, :]
+    k_CxH = k_ref[layer, b, pl.ds(start, block), h, :]
+    v_CxH = v_ref[layer, b, pl.ds(start, block), h, :]
     s_RxC = plgpu.dot(q_RxH, k_CxH, trans_b=True,
                       precision=block_math.dot_precision(k_CxH.dtype))
     s_RxC = s_RxC.astype(jnp.float32) * sm_scale
@@ -108,8 +108,8 @@ def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
   head_dim = q_PxNxH.shape[-1]
   if head_dim < MIN_DOT or head_dim & (head_dim - 1):
     return f"gpu kernel: head dim H={head_dim} is not a power of two >= {MIN_DOT}"
-  if pick_block(k_BxSxKxH.shape[1], block_kv) is None:
-    return (f"gpu kernel: cache length S={k_BxSxKxH.shape[1]} has no power-of-two block in "
+  if pick_block(k_BxSxKxH.shape[-3], block_kv) is None:
+    return (f"gpu kernel: cache length S={k_BxSxKxH.shape[-3]} has no power-of-two block in "
             f"[{MIN_DOT}, {block_kv}] dividing it")
   return None
 
@@ -117,15 +117,20 @@ def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
 def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW, *,
                    max_q_len: int, sm_scale: float, block_kv: int = DEFAULT_BLOCK_KV,
                    kv_splits: int | None = None, interpret: bool = False, num_warps: int = 4,
-                   num_stages: int = 2):
-  """Contract tree attention on GPU; max_q_len (static) bounds every q_len_B[b].
+                   num_stages: int = 2, layer: int | None = None):
+  """Contract tree attention on GPU; max_q_len (static) bounds every q_len_B[b]. With `layer`
+  (static), k and v are a stacked [L, B, S, K, H] cache, read in place (a sliced-out layer
+  would be copied whole before the kernel runs).
 
   kv_splits (static, flash-decoding): programs per (row, KV head), each folding a contiguous
   share of the row's live blocks; their partial softmaxes are merged afterwards. Default: enough
   to fill the GPU when B*K is small, 1 when there are many rows.
   """
   num_tokens, num_heads, head_dim = q_PxNxH.shape
-  batch, cache_len, num_kv_heads, _ = k_BxSxKxH.shape
+  batch, cache_len, num_kv_heads, _ = k_BxSxKxH.shape[-4:]
+  stacked = layer is not None
+  k_LxBxSxKxH = k_BxSxKxH if stacked else k_BxSxKxH[None]  # free reshapes to [1, B, S, K, H]
+  v_LxBxSxKxH = v_BxSxKxH if stacked else v_BxSxKxH[None]
   block = pick_block(cache_len, block_kv)
   num_splits = kv_splits or default_splits(batch, num_kv_heads, cache_len, block)
   num_rows = layout.rows_per_tile(max_q_len, num_heads // num_kv_heads, MIN_DOT, pow2=True)
@@ -136,7 +141,7 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
       num_rows=num_rows)
 
   kernel = functools.partial(_kernel, block=block, num_words=num_words, num_splits=num_splits,
-                             sm_scale=sm_scale)
+                             sm_scale=sm_scale, layer=layer or 0)
   whole = pl.no_block_spec
   part = (batch, num_kv_heads, num_splits, num_rows)
   m_BxKxJxR, l_BxKxJxR, acc_BxKxJxRxH = pl.pallas_call(
@@ -160,7 +165,7 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
       interpret=bool(interpret),
       name="tree_attention_gpu",
   )(kv_len_B.astype(jnp.int32), q_len_B.astype(jnp.int32), q_BxKxRxH, mask_BxRxW,
-    k_BxSxKxH, v_BxSxKxH)
+    k_LxBxSxKxH, v_LxBxSxKxH)
   out_BxKxRxH = combine_splits(m_BxKxJxR, l_BxKxJxR, acc_BxKxJxRxH, q_PxNxH.dtype)
   return layout.scatter_rows(out_BxKxRxH, q_start_B, q_len_B, num_tokens=num_tokens,
                              max_q_len=max_q_len, num_heads=num_heads)

@@ -2,8 +2,9 @@
 
 One program per row (grid over B): the row's kv_len and q_len come in by scalar prefetch
 (SMEM), so the program knows how many KV blocks are live before touching HBM. The cache stays
-in HBM (memory_space=ANY) viewed as [B, S, K*H] (a free reshape); the kernel copies block i of
-the row with a manual, double-buffered DMA (block i+1 is in flight while block i is used), and
+in HBM (memory_space=ANY) viewed as [L, B, S, K*H] (a free reshape; L = 1 unless a stacked
+per-layer cache comes with `layer`, read in place: no layer is sliced out, which would copy the
+whole layer before the kernel runs); the kernel copies block i of the row with a manual, double-buffered DMA (block i+1 is in flight while block i is used), and
 loops over cdiv(kv_len + q_len, C) blocks only, so nothing past a row's live length is read.
 The last block of a row also starts the next row's first block, so no row waits on its first
 copy (the grid is therefore "arbitrary": programs run in order on one core).
@@ -47,10 +48,11 @@ def pick_block(cache_len: int, block_kv: int, multiple: int) -> int | None:
 
 
 def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B]
-            q_ref, mask_ref, k_hbm, v_hbm,           # [K, R, H], [R, W], [B, S, K*H] x2 (HBM)
+            q_ref, mask_ref, k_hbm, v_hbm,           # [K, R, H], [R, W], [L, B, S, K*H] x2
             o_ref,                                   # [K, R, H]
             k_buf, v_buf, sem, slot_ref, m_scr, l_scr, acc_scr,
-            *, block: int, num_kv_heads: int, head_dim: int, num_words: int, sm_scale: float):
+            *, block: int, num_kv_heads: int, head_dim: int, num_words: int, sm_scale: float,
+            layer: int):
   b = pl.program_id(0)
   last_row = pl.num_programs(0) - 1
   kv_len = kv_len_ref[b]
@@ -63,9 +65,9 @@ def _kernel(kv_len_ref, q_len_ref,                  # scalar prefetch (SMEM), [B
 
   def copies(row, i, slot):
     start = pl.multiple_of(i * block, block)
-    return (pltpu.make_async_copy(k_hbm.at[row, pl.ds(start, block)], k_buf.at[slot],
+    return (pltpu.make_async_copy(k_hbm.at[layer, row, pl.ds(start, block)], k_buf.at[slot],
                                   sem.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[row, pl.ds(start, block)], v_buf.at[slot],
+            pltpu.make_async_copy(v_hbm.at[layer, row, pl.ds(start, block)], v_buf.at[slot],
                                   sem.at[1, slot]))
 
   @pl.when(q_len == 0)
@@ -142,18 +144,20 @@ def unsupported_reason(q_PxNxH, k_BxSxKxH, *, block_kv: int) -> str | None:
     return f"tpu kernel: q dtype {dtype} is not float32/bfloat16"
   if jnp.dtype(k_BxSxKxH.dtype) != dtype:
     return f"tpu kernel: k dtype {k_BxSxKxH.dtype} differs from q dtype {dtype}"
-  if pick_block(k_BxSxKxH.shape[1], block_kv, sublane_multiple(dtype)) is None:
-    return (f"tpu kernel: cache length S={k_BxSxKxH.shape[1]} has no power-of-two block "
+  if pick_block(k_BxSxKxH.shape[-3], block_kv, sublane_multiple(dtype)) is None:
+    return (f"tpu kernel: cache length S={k_BxSxKxH.shape[-3]} has no power-of-two block "
             f"<= {block_kv} that is a multiple of {sublane_multiple(dtype)}")
   return None
 
 
 def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW, *,
                    max_q_len: int, sm_scale: float, block_kv: int = DEFAULT_BLOCK_KV,
-                   interpret=False):
-  """Contract tree attention on TPU; max_q_len (static) bounds every q_len_B[b]."""
+                   interpret=False, layer: int | None = None):
+  """Contract tree attention on TPU; max_q_len (static) bounds every q_len_B[b]. With `layer`
+  (static), k and v are a stacked [L, B, S, K, H] cache and layer `layer` is attended."""
   num_tokens, num_heads, head_dim = q_PxNxH.shape
-  batch, cache_len, num_kv_heads, _ = k_BxSxKxH.shape
+  batch, cache_len, num_kv_heads, _ = k_BxSxKxH.shape[-4:]
+  num_layers = k_BxSxKxH.shape[0] if layer is not None else 1
   num_words = mask_PxW.shape[1]
   dtype = q_PxNxH.dtype
   block = pick_block(cache_len, block_kv, sublane_multiple(dtype))
@@ -162,11 +166,11 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
   q_BxKxRxH, mask_BxRxW = layout.gather_rows(
       q_PxNxH, mask_PxW, q_start_B, q_len_B, max_q_len=max_q_len, num_kv_heads=num_kv_heads,
       num_rows=num_rows)
-  k_BxSxKH = k_BxSxKxH.reshape(batch, cache_len, num_kv_heads * head_dim)
-  v_BxSxKH = v_BxSxKxH.reshape(batch, cache_len, num_kv_heads * head_dim)
+  k_LxBxSxKH = k_BxSxKxH.reshape(num_layers, batch, cache_len, num_kv_heads * head_dim)
+  v_LxBxSxKH = v_BxSxKxH.reshape(num_layers, batch, cache_len, num_kv_heads * head_dim)
 
   kernel = functools.partial(_kernel, block=block, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             num_words=num_words, sm_scale=sm_scale)
+                             num_words=num_words, sm_scale=sm_scale, layer=layer or 0)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(batch,),
@@ -197,6 +201,6 @@ def tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, 
       interpret=interpret or False,
       name="tree_attention_tpu",
   )(kv_len_B.astype(jnp.int32), q_len_B.astype(jnp.int32), q_BxKxRxH, mask_BxRxW,
-    k_BxSxKH, v_BxSxKH)
+    k_LxBxSxKH, v_LxBxSxKH)
   return layout.scatter_rows(out_BxKxRxH, q_start_B, q_len_B, num_tokens=num_tokens,
                              max_q_len=max_q_len, num_heads=num_heads)

@@ -26,18 +26,21 @@ next older one is tried. Unreadable host metadata is a `CheckpointError` naming 
 
 Multi-host note: JSON host state is written by the primary process only;
 per-host iterator state must be gathered into it by the caller.
+
+Paths go through `etils.epath`, so the run directory may be a `gs://` URI (orbax and
+tensorstore read and write it; `gcsfs` must be installed) as well as a local path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"  # unreadable checkpoints moved aside on restore
@@ -155,7 +158,7 @@ class RunCheckpointer:
       raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if save_every < 1:
       raise ValueError(f"save_every must be >= 1, got {save_every}")
-    self.run_dir = pathlib.Path(run_dir)
+    self.run_dir = epath.Path(run_dir)
     self.directory = self.run_dir / CHECKPOINT_SUBDIR
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
@@ -165,7 +168,8 @@ class RunCheckpointer:
         enable_async_checkpointing=async_save,
         create=True,
     )
-    self._manager = ocp.CheckpointManager(self.directory.absolute(),
+    local = "://" not in os.fspath(self.directory)  # a URI is absolute already
+    self._manager = ocp.CheckpointManager(self.directory.absolute() if local else self.directory,
                                           options=options)
 
   def should_save(self, step: int) -> bool:
@@ -293,13 +297,13 @@ class RunCheckpointer:
                             f"newest failure: {first_error}")
     return None
 
-  def _quarantine(self, step: int) -> pathlib.Path:
+  def _quarantine(self, step: int) -> epath.Path:
     target = self.run_dir / CORRUPT_SUBDIR / str(step)
     if jax.process_index() == 0:
       target.parent.mkdir(parents=True, exist_ok=True)
       if target.exists():  # an earlier quarantine of the same step: keep the newest
-        target = target.with_name(f"{step}.{len(list(target.parent.iterdir()))}")
-      os.replace(self.directory / str(step), target)
+        target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
+      (self.directory / str(step)).rename(target)
     self._manager.reload()
     return target
 

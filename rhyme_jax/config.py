@@ -28,6 +28,9 @@ from absl import flags
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
 DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
+# Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
+# (CPU tests). The one source: models.attention and the engine config import it.
+ATTENTIONS = ("xla", "pallas", "pallas_interpret")
 SCHEDULES = ("fifo", "history", "alternate", "probe")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
@@ -37,10 +40,13 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.losses.KL_ESTIMATORS
 ADVANTAGES = ("grpo", "rloo")  # rl.advantages registry
 # Default reward per task; `--reward` overrides it.
 TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
-# Fields that may differ when resuming a run directory (everything else must match).
-# The admission order never changes what is sampled, so it may change too.
-RESUMABLE_CHANGES = ("rollout.schedule", "run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
-                     "run.eval_every", "run.eval_size", "run.log_every")
+# Fields that may differ when resuming a run directory or between its processes (each its own
+# --process_id); everything else must match. rollout.attention: the same attention computed by
+# another implementation (as on other hardware); the admission order never changes what is
+# sampled.
+RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
+                     "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
+                     "rollout.attention", "rollout.schedule", "distributed")
 
 
 class ConfigError(ValueError):
@@ -65,6 +71,7 @@ class RolloutOptions:
   draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
   prefill_chunk: int
+  attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
   schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
   rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
 
@@ -124,6 +131,15 @@ class RunOptions:
   eval_every: int  # 0 = no periodic evaluation
   eval_size: int
   log_every: int
+  device_memory_gib: float  # 0 = what the device reports (CPUs report nothing: no check)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptions:
+  """Multi-process start-up off TPU (multi-node GPU, CPU); a TPU pod slice needs none of it."""
+  coordinator_address: str  # host:port of process 0; '' = single process or the environment
+  num_processes: int  # 0 = from the environment
+  process_id: int  # -1 = from the environment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +150,7 @@ class Config:
   data: DataOptions
   mesh: MeshOptions
   run: RunOptions
+  distributed: DistributedOptions
 
   @property
   def reward_name(self) -> str:
@@ -167,6 +184,10 @@ _FLAGS = {
          "drafts are right; at the acceptance fresh-seed RL rollouts showed it did not "
          "(bench/RESULTS.md). Drafts never change what is sampled."),
         ("prefill_chunk", 64, "Prompt tokens prefilled per engine call."),
+        ("attention", "xla", f"Decode attention: {', '.join(ATTENTIONS)}. 'pallas' runs the "
+         "Pallas kernel of the backend (TPU: Mosaic, GPU: Triton), reading only each row's "
+         "live KV; on CPU or a shape the kernel cannot take it uses the XLA path and logs "
+         "why, once. 'pallas_interpret' runs the kernel interpreted (slow; CPU tests)."),
         ("schedule", "fifo", "Rollout admission order: 'fifo' (data order), 'history' (longest "
          "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
          "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
@@ -194,8 +215,8 @@ _FLAGS = {
         ("advantage", "grpo", f"Advantage estimator: {', '.join(ADVANTAGES)}."),
         ("normalize_std", True, "Divide group-centred rewards by the group std."),
         ("ppo_epochs", 1, "Optimisation epochs over each rollout batch."),
-        ("micro_batch_size", 0, "Samples per gradient micro-batch (0 = whole batch); must "
-         "divide group_size * prompts_per_step."),
+        ("micro_batch_size", 0, "Samples per gradient micro-batch and process (0 = whole "
+         "batch); must divide group_size * prompts_per_step."),
         ("dynamic_sampling", False, "Drop groups whose rewards are all equal and refill from "
          "the next prompts (DAPO)."),
         ("dynamic_sampling_max_rounds", 3, "Rollout rounds per step at most when refilling."),
@@ -228,6 +249,16 @@ _FLAGS = {
         ("eval_every", 0, "Greedy evaluation every N steps (0 = off)."),
         ("eval_size", 32, "Held-out examples per evaluation."),
         ("log_every", 1, "Print progress every N steps."),
+        ("device_memory_gib", 0.0, "Memory per device in GiB that the run must fit (checked at "
+         "start against an estimate of parameters, optimiser state, activations and KV cache; "
+         "0 = what the device reports, no check where it reports nothing)."),
+    ],
+    DistributedOptions: [
+        ("coordinator_address", "", "host:port of process 0, the same for every process of a "
+         "multi-process run off TPU; empty = one process, or what the launcher says (TPU pod "
+         "slice, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)."),
+        ("num_processes", 0, "Processes of the run (0 = from the launcher)."),
+        ("process_id", -1, "This process's index in [0, --num_processes) (-1 = launcher's)."),
     ],
 }
 _MESH_FLAG = {"data": "mesh_data", "fsdp": "mesh_fsdp", "tensor": "mesh_tensor"}
@@ -260,7 +291,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> Config:
   for group, entries in _FLAGS.items():
     parts[group] = group(**{name: fv[_flag_name(group, name)].value for name, _, _ in entries})
   config = Config(model=parts[ModelOptions], rollout=parts[RolloutOptions], rl=parts[RLOptions],
-                  data=parts[DataOptions], mesh=parts[MeshOptions], run=parts[RunOptions])
+                  data=parts[DataOptions], mesh=parts[MeshOptions], run=parts[RunOptions],
+                  distributed=parts[DistributedOptions])
   validate(config)
   return config
 
@@ -315,6 +347,7 @@ def validate(c: Config) -> None:
     raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
+  _one_of("attention", r.attention, ATTENTIONS)
   _one_of("schedule", r.schedule, SCHEDULES)
   _at_least("rollout_slots", r.rollout_slots, 0)
 
@@ -370,11 +403,27 @@ def validate(c: Config) -> None:
   _at_least("eval_every", run.eval_every, 0)
   _at_least("eval_size", run.eval_size, 1)
   _at_least("log_every", run.log_every, 1)
+  _at_least("device_memory_gib", run.device_memory_gib, 0.0)
+  _validate_distributed(c.distributed)
   # Request ids (int32) are step * ids_per_step + offset: keep them in range.
   if (run.num_steps + 1) * ids_per_step(c) >= 2**31:
     _fail("num_steps", run.num_steps, f"fewer steps: request ids run past 2^31 with "
           f"{ids_per_step(c)} ids per step (lower --prompts_per_step, --group_size or "
           "--dynamic_sampling_max_rounds)")
+
+
+def _validate_distributed(dist: DistributedOptions) -> None:
+  """The flags alone (`rhyme_jax.parallel.distributed_settings` adds the environment)."""
+  host, _, port = (address := dist.coordinator_address).rpartition(":")
+  if address and not (host and port.isdigit() and 0 < int(port) < 65536):
+    _fail("coordinator_address", address, "host:port (process 0's address and a free port)")
+  _at_least("num_processes", dist.num_processes, 0)
+  _at_least("process_id", dist.process_id, -1)
+  if (dist.process_id >= 0) != (dist.num_processes > 0):  # both or neither
+    _fail("num_processes", f"{dist.num_processes} --process_id={dist.process_id}",
+          "both (each process its own id in [0, num_processes)) or neither")
+  if dist.num_processes and dist.process_id >= dist.num_processes:
+    _fail("process_id", dist.process_id, f"an index in [0, --num_processes={dist.num_processes})")
 
 
 def ids_per_step(c: Config) -> int:

@@ -20,6 +20,10 @@ time its last 10% of responses took: what --schedule acts on).
 
 `Progress` prints `step 12/100 | reward/mean 0.412 | 3.21 s/step | ETA 4m42s`,
 redrawn in place on a terminal and one line per step otherwise (log files).
+
+The run directory may be a local path or a URI such as `gs://bucket/run` (`etils.epath`). A
+local metrics.jsonl is appended to line by line; an object store cannot append, so there the
+whole file is rewritten at each step (a few kB per step).
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ import json
 import math
 import numbers
 import os
-import pathlib
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
+from etils import epath
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -63,7 +67,7 @@ def read_metrics(path: str | os.PathLike,
   A last line without its newline (a writer killed mid-line) is dropped; any
   other malformed line raises ValueError naming `path:line`.
   """
-  path = pathlib.Path(path)
+  path = epath.Path(path)
   text = path.read_text()
   lines = text.split("\n")
   records = []
@@ -94,21 +98,26 @@ class MetricsWriter:
       clears any records left by an earlier attempt in the same directory.
     tensorboard: also write TensorBoard event files under `run_dir/tb`.
     enabled: False makes every call a no-op (non-primary processes).
+    append: append to the file (True) or rewrite it whole at each step (False); default:
+      append unless the run directory is a URI (`gs://...`: objects cannot be appended to).
   """
 
   def __init__(self, run_dir: str | os.PathLike, *,
                resume_step: int | None = None, tensorboard: bool = True,
-               enabled: bool = True):
+               enabled: bool = True, append: bool | None = None):
     self.enabled = enabled
-    self.run_dir = pathlib.Path(run_dir)
+    self.run_dir = epath.Path(run_dir)
     self.path = self.run_dir / METRICS_FILE
+    self.append = "://" not in os.fspath(self.run_dir) if append is None else append
     self._file = None
+    self._lines: list[str] = []  # what the file holds, when it is rewritten at each step
     self._tb = None
     if not enabled:
       return
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self._truncate(resume_step)
-    self._file = open(self.path, "a", encoding="utf-8")
+    if self.append:
+      self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       self._tb = EventFileWriter(str(self.run_dir / TB_SUBDIR), flush_secs=30)
       start = event_pb2.Event(
@@ -124,11 +133,10 @@ class MetricsWriter:
     records = read_metrics(self.path)
     keep = [] if resume_step is None else [
         r for r in records if r["step"] <= resume_step]
-    tmp = self.path.with_name(f".{self.path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-      for r in keep:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.path)
+    self._lines = [json.dumps(r) + "\n" for r in keep]
+    tmp = self.path.parent / f".{self.path.name}.tmp.{os.getpid()}"
+    tmp.write_text("".join(self._lines))
+    tmp.replace(self.path)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Logs one step. Values are scalars (numbers, numpy/jax 0-d, bool, str).
@@ -143,8 +151,13 @@ class MetricsWriter:
     record = {"step": int(step)}
     for name, value in metrics.items():
       record[name] = _scalar(name, value)
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    line = json.dumps(record) + "\n"
+    if self._file is not None:
+      self._file.write(line)
+      self._file.flush()
+    else:
+      self._lines.append(line)
+      self.path.write_text("".join(self._lines))
     if self._tb is not None:
       values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))
                 for k, v in record.items()

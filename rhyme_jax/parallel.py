@@ -59,33 +59,76 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
 _MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
 
 
-def _launched_multi_process(env: Mapping[str, str]) -> bool:
-  if any(env.get(k) for k in _MULTI_PROCESS_ENV):
-    return True
-  hosts = env.get("TPU_WORKER_HOSTNAMES", "")  # set on every worker of a multi-host TPU slice
-  if "," in hosts:
-    return True
-  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+def _launcher(env: Mapping[str, str]) -> str | None:
+  """The launcher that started several processes and tells each its place, if any."""
+  if env.get("MEGASCALE_COORDINATOR_ADDRESS") or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+    return "TPU pod slice"  # TPU_WORKER_HOSTNAMES is set on every worker of a multi-host slice
+  for key, name in (("SLURM_NTASKS", "SLURM"), ("OMPI_COMM_WORLD_SIZE", "Open MPI")):
     if env.get(key, "1").isdigit() and int(env.get(key, "1")) > 1:
-      return True
-  return False
+      return name
+  return None
 
 
-def maybe_initialize_distributed(force: bool | None = None, **kwargs) -> bool:
-  """Calls `jax.distributed.initialize(**kwargs)` when this is one process of several.
+def _launched_multi_process(env: Mapping[str, str]) -> bool:
+  return bool(_launcher(env) or any(env.get(k) for k in _MULTI_PROCESS_ENV))
 
-  Multi-process is detected from the launcher's environment (`JAX_COORDINATOR_ADDRESS`,
-  several `TPU_WORKER_HOSTNAMES`, SLURM / Open MPI world size > 1); `force=True` initialises
-  regardless (jax then auto-detects the cluster), `force=False` never does. A single process
-  is a no-op. Must run before anything touches a device. Returns whether it initialised.
+
+def distributed_settings(coordinator_address: str = "", num_processes: int = 0,
+                         process_id: int = -1, env: Mapping[str, str] | None = None
+                         ) -> dict[str, Any] | None:
+  """`jax.distributed.initialize` arguments from the flags and the launcher's environment.
+
+  None: a single process. `{}`: the launcher (TPU pod slice, SLURM, Open MPI) tells JAX
+  everything. Otherwise the coordinator (`--coordinator_address`, else
+  `JAX_COORDINATOR_ADDRESS`) with the process count and id, which only the flags (or SLURM /
+  Open MPI) can give. Raises ValueError, one line naming the flag or variable, when they do not
+  add up (e.g. `JAX_COORDINATOR_ADDRESS` set and no process count, which JAX itself reports
+  as a bare "Number of processes must be defined").
+  """
+  env = os.environ if env is None else env
+  launcher = _launcher(env)
+  count = num_processes if num_processes > 0 else None
+  index = process_id if process_id >= 0 else None
+  address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")
+  source = (f"--coordinator_address={coordinator_address}" if coordinator_address
+            else f"JAX_COORDINATOR_ADDRESS={address}")
+  if address:
+    if count is None and launcher not in ("SLURM", "Open MPI"):
+      raise ValueError(f"{source} is set but the process count is not: pass --num_processes=N "
+                       "and --process_id=I to every process (or unset it for one process)")
+    if count is not None and index is None:
+      raise ValueError(f"{source} --num_processes={count}: pass --process_id=I (0 <= I < "
+                       f"{count}) too")
+    return {k: v for k, v in (("coordinator_address", address), ("num_processes", count),
+                              ("process_id", index)) if v is not None}
+  if count is not None:
+    if count == 1 and index in (None, 0) and launcher is None:
+      return None  # explicitly one process
+    if launcher == "TPU pod slice":
+      return {"num_processes": count, "process_id": index}
+    raise ValueError(f"--num_processes={count}: needs --coordinator_address=HOST:PORT (process "
+                     "0's address, the same on every process)")
+  return {} if launcher else None
+
+
+def maybe_initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
+                                 process_id: int = -1, *, force: bool | None = None,
+                                 env: Mapping[str, str] | None = None) -> bool:
+  """Calls `jax.distributed.initialize` when this is one process of several.
+
+  Settings come from `distributed_settings` (the flags, then the launcher's environment);
+  `force=True` initialises even for what looks like one process (jax then auto-detects),
+  `force=False` never does. Must run before anything touches a device. Returns whether it
+  initialised. CPU processes exchange collectives through gloo (jax's default on CPU).
   """
   if force is False:
     return False
-  if force is None and not _launched_multi_process(os.environ):
+  settings = distributed_settings(coordinator_address, num_processes, process_id, env)
+  if settings is None and not force:
     return False
   if jax.distributed.is_initialized():
     return False
-  jax.distributed.initialize(**kwargs)
+  jax.distributed.initialize(**(settings or {}))
   return True
 
 
@@ -152,13 +195,60 @@ def batch_spec(rank: int = 2) -> P:
 
 
 def shard_batch(x: Any, mesh: Mesh) -> Any:
-  """Puts each array of `x` (a pytree) on the mesh, rows split over ('data', 'fsdp').
+  """This process's rows of a batch (a pytree of arrays) -> global arrays on the mesh, rows split
+  over ('data', 'fsdp').
 
-  An array whose leading dimension is not divisible by data*fsdp is replicated instead.
+  With several processes every process passes its own rows (the same count on each) and the
+  global array holds all of them (`jax.make_array_from_process_local_data`); `host_rows` gives
+  a process its rows of a result back. With one process the local batch is the global one, and
+  rows not divisible by data*fsdp are replicated instead; with several that is an error (rows
+  cannot be replicated across processes that hold different ones). 0-d arrays are replicated
+  and must be equal on every process.
   """
+  n = jax.process_count()
+
   def put(a):
-    spec = fit_spec(batch_spec(np.ndim(a)), np.shape(a), mesh) if np.ndim(a) else P()
-    return jax.device_put(a, NamedSharding(mesh, spec))
+    a = np.asarray(a)
+    if not a.ndim:
+      return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), a, a.shape)
+    shape = (a.shape[0] * n,) + a.shape[1:]
+    spec = fit_spec(batch_spec(a.ndim), shape, mesh)
+    if n > 1 and spec[0] is None:
+      sizes = _mesh_sizes(mesh)
+      raise ValueError(f"a batch of {shape[0]} rows ({a.shape[0]} per process) cannot be split "
+                       f"over data*fsdp = {sizes.get('data', 1) * sizes.get('fsdp', 1)} devices")
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a, shape)
   return jax.tree.map(put, x)
+
+
+def host_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of a global batch array, in the order `shard_batch` took them."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  pieces = {}
+  for shard in x.addressable_shards:
+    start = (shard.index[0].start or 0) if shard.index else 0
+    pieces.setdefault(start, shard.data)
+  return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)])
+
+
+def check_process_rows(mesh: Mesh) -> None:
+  """Each process must hold its own batch rows: the batch axes split the processes apart and
+  no axis the rows are replicated over (tensor) may span two processes. ValueError if not."""
+  n = jax.process_count()
+  if n == 1:
+    return
+  sizes = _mesh_sizes(mesh)
+  owners: dict[int, set[int]] = {}
+  names = mesh.axis_names
+  for coords in np.ndindex(mesh.devices.shape):
+    where = dict(zip(names, coords))
+    row_block = where.get("data", 0) * sizes.get("fsdp", 1) + where.get("fsdp", 0)
+    owners.setdefault(row_block, set()).add(mesh.devices[coords].process_index)
+  shared = sorted(b for b, procs in owners.items() if len(procs) > 1)
+  if shared:
+    raise ValueError(f"mesh {sizes} over {n} processes: the tensor axis spans processes, so "
+                     "they would share batch rows; keep --mesh_tensor within one process's "
+                     f"{jax.local_device_count()} devices")
 
 

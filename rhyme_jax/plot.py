@@ -8,7 +8,8 @@ Writes into `RUN_DIR/plots/` (or `--out`) one PNG per panel that has data:
   accepted_length.png  metrics whose name contains 'accepted_length'
   step_time.png        time/rollout, time/reward, time/logprob, time/train
                        stacked (plus time/step as a line when logged)
-Panels without data are skipped; a missing or empty metrics file is an error.
+Panels without data are skipped; a missing or empty metrics file is an error. RUN_DIR and
+--out may be local paths or URIs such as gs://bucket/run (`etils.epath`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
 import sys
 from typing import Callable, Sequence
 
@@ -25,6 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be set first)
 import numpy as np  # noqa: E402
+from etils import epath  # noqa: E402
 
 from rhyme_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 
@@ -40,7 +41,7 @@ class Series:
 
 def load_series(path: str | os.PathLike) -> dict[str, Series]:
   """Reads metrics.jsonl into {metric name: Series} (numeric values only)."""
-  path = pathlib.Path(path)
+  path = epath.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"metrics file not found: {path}")
   records = read_metrics(path)
@@ -111,11 +112,11 @@ PANELS = (
 
 
 def plot_run(run_dir: str | os.PathLike,
-             out_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
+             out_dir: str | os.PathLike | None = None) -> list[epath.Path]:
   """Renders every panel with data; returns the PNG paths written."""
-  run_dir = pathlib.Path(run_dir)
+  run_dir = epath.Path(run_dir)
   series = load_series(run_dir / METRICS_FILE)
-  out_dir = pathlib.Path(out_dir) if out_dir is not None else run_dir / "plots"
+  out_dir = epath.Path(out_dir) if out_dir is not None else run_dir / "plots"
   out_dir.mkdir(parents=True, exist_ok=True)
   written = []
   for panel in PANELS:
@@ -131,7 +132,8 @@ def plot_run(run_dir: str | os.PathLike,
       ax.grid(alpha=0.3)
       fig.tight_layout()
       path = out_dir / f"{panel.name}.png"
-      fig.savefig(path)
+      with path.open("wb") as f:
+        fig.savefig(f, format="png")
     finally:
       plt.close(fig)
     written.append(path)
@@ -152,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   if not written:
-    print(f"error: no plottable metrics in {pathlib.Path(args.run_dir) / METRICS_FILE} "
+    print(f"error: no plottable metrics in {epath.Path(args.run_dir) / METRICS_FILE} "
           "(looked for reward*, accuracy*, response_length*, *accepted_length*, "
           f"{', '.join(STEP_TIME_PHASES)})", file=sys.stderr)
     return 1

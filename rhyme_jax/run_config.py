@@ -2,7 +2,8 @@
 
 A new run directory gets the run's config (canonical JSON) and its sha256; a rerun in the same
 directory is compared field by field, so a resumed run is the run it claims to continue. Only
-fields named as resumable (e.g. the total step count) may differ.
+fields named as resumable (e.g. the total step count) may differ. The run directory may be a
+local path or a `gs://` URI (`etils.epath`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import enum
 import hashlib
 import json
 import os
-import pathlib
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+from etils import epath
 
 RUN_CONFIG_FILE = "run_config.json"
 
@@ -66,18 +67,20 @@ def config_fingerprint(config: Any) -> str:
   return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def _config_path(run_dir: str | os.PathLike) -> pathlib.Path:
-  return pathlib.Path(run_dir) / RUN_CONFIG_FILE
+def _config_path(run_dir: str | os.PathLike) -> epath.Path:
+  return epath.Path(run_dir) / RUN_CONFIG_FILE
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-  tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def _write_atomic(path: epath.Path, text: str) -> None:
+  """Written aside, then renamed over `path` (atomic on a local disk; on GCS each object write
+  is atomic anyway)."""
+  tmp = path.parent / f".{path.name}.tmp.{os.getpid()}"
   tmp.write_text(text)
-  os.replace(tmp, path)
+  tmp.replace(path)
 
 
 def write_run_config(run_dir: str | os.PathLike, config: Any, *,
-                     overwrite: bool = False) -> pathlib.Path:
+                     overwrite: bool = False) -> epath.Path:
   """Writes `run_dir/run_config.json` (config + fingerprint), atomically.
 
   Refuses to replace an existing file unless `overwrite=True`.

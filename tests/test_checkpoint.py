@@ -292,3 +292,19 @@ def test_no_readable_checkpoint_is_one_error_naming_the_directory(tmp_path):
       cp.restore_latest()
   with ckpt.RunCheckpointer(tmp_path / "empty") as cp:
     assert cp.restore_latest() is None
+
+
+def test_run_dir_as_epath(tmp_path):
+  """The run directory through etils.epath (what a gs:// URI goes through): save, restore and
+  moving an unreadable checkpoint aside."""
+  from etils import epath
+  run_dir = epath.Path(tmp_path) / "run"
+  with ckpt.RunCheckpointer(run_dir, keep_last=3) as ck:
+    for step in (1, 2):
+      ck.save(step, params={"w": np.full(3, step, np.float32)}, host_state={"s": step})
+    ck.wait()
+    (run_dir / "checkpoints" / "2" / "host").rmtree()
+    state = ck.restore_latest(warn=lambda msg: None)
+  assert state.step == 1 and state.host_state == {"s": 1}
+  np.testing.assert_array_equal(state.params["w"], np.full(3, 1, np.float32))
+  assert (run_dir / "corrupt_checkpoints" / "2").is_dir()

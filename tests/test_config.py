@@ -51,6 +51,7 @@ def test_quickstart_is_small():
 @pytest.mark.parametrize("flag, message", [
     ("--spec=foo", "--spec=foo: expected one of histospec, none"),
     ("--draft_mode=fast", "--draft_mode=fast: expected one of sync, ahead, ahead_only"),
+    ("--attention=cuda", "--attention=cuda: expected one of xla, pallas, pallas_interpret"),
     ("--schedule=lifo", "--schedule=lifo: expected one of fifo, history, alternate, probe"),
     ("--task=mnist", "--task=mnist: expected one of arithmetic, gsm8k"),
     ("--group_size=1", "--group_size=1: expected an integer >= 2"),
@@ -71,11 +72,27 @@ def test_quickstart_is_small():
     ("--mesh_fsdp=0", "--mesh_fsdp=0: expected an integer >= 1, or -1"),
     ("--num_steps=0", "--num_steps=0: expected an integer >= 1"),
     ("--learning_rate=-1", "--learning_rate=-1.0: expected a finite number > 0"),
+    ("--coordinator_address=10.0.0.1", "--coordinator_address=10.0.0.1: expected host:port"),
+    ("--coordinator_address=h:99999", "--coordinator_address=h:99999: expected host:port"),
+    ("--num_processes=2", "--num_processes=2 --process_id=-1: expected both"),
+    ("--process_id=0", "--num_processes=0 --process_id=0: expected both"),
+    ("--num_processes=-1", "--num_processes=-1: expected an integer >= 0"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:
     parse_flags(["--run_dir=/tmp/r", flag])
   assert message in str(e.value)
+
+
+def test_distributed_flags():
+  c = parse_flags(["--run_dir=/tmp/r", "--coordinator_address=10.0.0.1:1234",
+                   "--num_processes=4", "--process_id=3"]).distributed
+  assert (c.coordinator_address, c.num_processes, c.process_id) == ("10.0.0.1:1234", 4, 3)
+  with pytest.raises(ConfigError, match=r"^--process_id=4: expected an index in \[0, "
+                     r"--num_processes=4\)$"):
+    parse_flags(["--run_dir=/tmp/r", "--num_processes=4", "--process_id=4"])
+  default = parse_flags(["--run_dir=/tmp/r"]).distributed
+  assert (default.coordinator_address, default.num_processes, default.process_id) == ("", 0, -1)
 
 
 def test_unparsable_and_unknown_flags():
@@ -103,6 +120,20 @@ def test_draft_modes_match_the_engine():
   from rhyme_jax import config as config_lib
   from rhyme_jax.rollout import engine
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
+
+
+def test_attention_flag_reaches_the_engine_config():
+  """--attention defaults to the XLA path; its choice list is the one the engine and the model
+  check against (one object), and the rollouts pass it to the engine."""
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.models import attention
+  from rhyme_jax.rl.rollouts import engine_config
+  from rhyme_jax.rollout import interface
+  assert parse_flags(["--run_dir=r"]).rollout.attention == "xla"
+  assert attention.ATTENTIONS is config_lib.ATTENTIONS is interface.ATTENTIONS
+  c = parse_flags(["--run_dir=r", "--attention=pallas"])
+  assert engine_config(c, eos_ids=(2,), drafting=True).attention == "pallas"
+  assert "rollout.attention" in config_lib.RESUMABLE_CHANGES  # same math, another kernel
 
 
 def test_choice_lists_match_their_sources():

@@ -156,6 +156,20 @@ def test_flag_parse_errors_are_usage_errors(tmp_path, flag, fragment):
   assert not (tmp_path / "run").exists()
 
 
+def test_coordinator_without_process_count_is_one_line(tmp_path, tiny_model):
+  """JAX alone would end in `ValueError: Number of processes must be defined` (a traceback)."""
+  env = dict(os.environ, JAX_COORDINATOR_ADDRESS="localhost:12345")
+  proc = subprocess.run([sys.executable, "-m", "rhyme_jax.main",
+                         *tiny_flags(tiny_model, tmp_path / "run")], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert_one_line_error(proc, 2, "JAX_COORDINATOR_ADDRESS=localhost:12345 is set but the "
+                        "process count is not: pass --num_processes=N and --process_id=I")
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--num_processes=2",
+                  "--process_id=1")
+  assert_one_line_error(proc, 2, "--num_processes=2: needs --coordinator_address=HOST:PORT")
+  assert not (tmp_path / "run").exists()
+
+
 def test_help_lists_the_project_flags():
   proc = run_main("--help")
   assert proc.returncode == 0, proc.stderr
@@ -182,4 +196,16 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "sequence buckets (64, 128, 132)" in out
   assert "memory" in out and "GiB" in out
   assert "data: 4 train examples (arithmetic)" in out
+  assert "processes: one" in out
+  assert not (tmp_path / "run").exists()
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
+                  "--coordinator_address=10.0.0.1:8476", "--num_processes=4", "--process_id=0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
+
+
+def test_config_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, tiny_model):
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--device_memory_gib=0.000001")
+  assert_one_line_error(proc, 2, "does not fit in --device_memory_gib", "parameters",
+                        "optimiser state", "KV cache")
   assert not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """Tests for rhyme_jax.metrics: jsonl log, TensorBoard readback, resume, progress."""
 
 import io
+import os
 import json
 import math
 
@@ -147,3 +148,28 @@ def test_progress_redraws_in_place_on_tty():
   text = out.getvalue()
   assert text.count("\n") == 1 and text.endswith("\n")
   assert text.startswith("\rstep 1/5 | 1 s/step | ETA 4s\rstep 2/5")
+
+
+def test_object_store_mode_rewrites_and_matches_append_mode(tmp_path):
+  """A gs:// run directory cannot be appended to: the writer rewrites the file at each step.
+  Run here on a local path through etils.epath, crash and resume included."""
+  from etils import epath
+
+  def run(run_dir, steps, resume_step=None):
+    with metrics_lib.MetricsWriter(epath.Path(run_dir), resume_step=resume_step, append=False,
+                                   tensorboard=False) as w:
+      assert w._file is None  # nothing held open
+      for step in steps:
+        w.write(step, {"loss": float(step) ** 2, "other": -step})
+
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  _run(straight, range(1, 11))  # append mode
+  run(resumed, range(1, 8))
+  with open(resumed / "metrics.jsonl", "a") as f:
+    f.write('{"step": 8, "loss": 6')
+  run(resumed, range(5, 11), resume_step=4)
+  assert (resumed / "metrics.jsonl").read_text() == (straight / "metrics.jsonl").read_text()
+
+  uri = metrics_lib.MetricsWriter("gs://bucket/run", enabled=False)  # touches nothing
+  assert os.fspath(uri.path) == "gs://bucket/run/metrics.jsonl" and uri.append is False
+  assert metrics_lib.MetricsWriter(tmp_path / "x", enabled=False).append is True

@@ -243,5 +243,54 @@ def test_initialize_distributed_is_a_noop_on_one_process(monkeypatch):
   assert not par._launched_multi_process({"TPU_WORKER_HOSTNAMES": "w0", "SLURM_NTASKS": "1"})
 
 
+@pytest.mark.parametrize("flags, env, want", [
+    (("", 0, -1), {}, None),  # one process
+    (("", 1, 0), {}, None),  # explicitly one process
+    (("h:1", 2, 1), {}, {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
+    (("", 2, 0), {"JAX_COORDINATOR_ADDRESS": "c:9"},
+     {"coordinator_address": "c:9", "num_processes": 2, "process_id": 0}),
+    (("h:1", 2, 1), {"JAX_COORDINATOR_ADDRESS": "c:9"},  # the flag wins
+     {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}),
+    (("", 0, -1), {"TPU_WORKER_HOSTNAMES": "w0,w1"}, {}),  # the TPU runtime says it all
+    (("", 0, -1), {"MEGASCALE_COORDINATOR_ADDRESS": "m:1"}, {}),
+    (("", 0, -1), {"SLURM_NTASKS": "4"}, {}),
+    (("", 0, -1), {"TPU_WORKER_HOSTNAMES": "w0"}, None),  # a single-host slice
+    (("", 0, -1), {"JAX_COORDINATOR_ADDRESS": "c:9", "SLURM_NTASKS": "4"},
+     {"coordinator_address": "c:9"}),  # SLURM gives count and id
+])
+def test_distributed_settings(flags, env, want):
+  from rhyme_jax import parallel as par
+  assert par.distributed_settings(*flags, env=env) == want
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (("", 0, -1), {"JAX_COORDINATOR_ADDRESS": "c:9"},
+     "JAX_COORDINATOR_ADDRESS=c:9 is set but the process count is not: pass "
+     "--num_processes=N and --process_id=I to every process (or unset it for one process)"),
+    (("h:1", 0, -1), {}, "--coordinator_address=h:1 is set but the process count is not"),
+    (("h:1", 2, -1), {}, "--coordinator_address=h:1 --num_processes=2: pass --process_id=I"),
+    (("", 2, 1), {}, "--num_processes=2: needs --coordinator_address=HOST:PORT"),
+])
+def test_distributed_settings_errors_are_one_line(flags, env, message):
+  from rhyme_jax import parallel as par
+  with pytest.raises(ValueError) as e:
+    par.distributed_settings(*flags, env=env)
+  assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_one_process_batches_and_rows():
+  """With one process `shard_batch` places the batch as it is (rows split when they divide,
+  replicated otherwise) and `host_rows` reads it back; every process holds its own rows."""
+  import jax
+  from rhyme_jax import parallel as par
+  mesh = par.make_mesh()
+  x = np.arange(12, dtype=np.int32).reshape(3, 4)
+  put = par.shard_batch({"x": x, "s": np.float32(2.0)}, mesh)
+  np.testing.assert_array_equal(par.host_rows(put["x"]), x)
+  assert put["x"].shape == (3, 4) and float(put["s"]) == 2.0
+  par.check_process_rows(mesh)  # one process: nothing to share
+  assert jax.process_count() == 1
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
   print("REPORT " + json.dumps(_child_report()), flush=True)

@@ -76,3 +76,13 @@ def test_module_entry_point(tmp_path):
       capture_output=True, text=True, timeout=120)
   assert missing.returncode == 1
   assert str(tmp_path / "nope" / "metrics.jsonl") in missing.stderr
+
+
+def test_run_and_out_dirs_through_epath(tmp_path):
+  """Run and output directories as etils.epath paths (what a gs:// run directory uses)."""
+  from etils import epath
+  _write(tmp_path / "metrics.jsonl", [_full_record(s) for s in range(1, 4)])
+  out = epath.Path(tmp_path) / "elsewhere"
+  written = plot.plot_run(epath.Path(tmp_path), out)
+  assert written and all(p.parent == out for p in written)
+  assert all(p.read_bytes().startswith(_PNG_MAGIC) for p in written)

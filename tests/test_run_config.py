@@ -82,3 +82,15 @@ def test_dataclass_config_and_non_json_field(tmp_path):
   assert run_config.read_run_config(tmp_path) == {"lr": 1e-3, "out": "/tmp/x", "fn": None}
   with pytest.raises(TypeError, match="'fn'"):
     run_config.check_run_config(tmp_path, Cfg(fn=object()))
+
+
+def test_run_dir_through_epath_and_uris(tmp_path):
+  """`gs://bucket/run` stays a URI (pathlib would make it `gs:/bucket/run`); local run
+  directories work as epath paths."""
+  from etils import epath
+  assert os.fspath(run_config._config_path("gs://bucket/run")) == "gs://bucket/run/run_config.json"
+  run_dir = epath.Path(tmp_path) / "run"
+  assert run_config.ensure_run_config(run_dir, {"a": 1, "b": 2}) == []
+  assert run_config.ensure_run_config(str(run_dir), {"a": 1, "b": 3}, allow_changed=["b"]) == ["b"]
+  assert run_config.read_run_config(run_dir) == {"a": 1, "b": 3}
+  assert [p.name for p in run_dir.iterdir()] == [run_config.RUN_CONFIG_FILE]  # no temporary left

@@ -3,11 +3,14 @@
 Decoding (plain and speculative) runs `tree_attention`: every row's new tokens (its root and
 its draft nodes) lie packed on one token axis P, each with its ancestor bits; the caller has
 written their K/V into the cache after the row's prefix. This is the ATTENTION CONTRACT the
-Pallas kernels implement too. Prefill and training keep the dense `attend` with a B×T×S mask.
+Pallas kernels implement too; `resolve_attention` turns the engine's choice (xla | pallas |
+pallas_interpret) into the implementation its compiled step uses. Prefill and training keep the
+dense `attend` with a B×T×S mask.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import flax.struct
@@ -15,6 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import gpu as gpu_kernel
+from pallas_kernels import tpu as tpu_kernel
+from pallas_kernels import tree_attention as kernel_dispatch
+from rhyme_jax.config import ATTENTIONS
 from rhyme_jax.models.config import ModelConfig
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -101,6 +108,7 @@ class Packed(NamedTuple):
   mask_PxW: jax.Array  # uint32 ancestor bits (bit j: sees the row's new token j)
   max_kv_len: int | None = None  # static cache-length bucket >= kv_len + q_len
   max_q_len: int | None = None  # static bound of q_len
+  impl: str = "xla"  # static: one of IMPLS (resolve_attention's answer)
 
 
 def unpack_rows(x_PxX: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array, t: int
@@ -122,17 +130,108 @@ def packed_rows(q_start_B: jax.Array, q_len_B: jax.Array, p: int
   return row_P, i_P, (i_P >= 0) & (i_P < q_len_B[row_P])
 
 
+# The implementations a compiled step can use: the XLA path, or a Pallas kernel (TPU: Mosaic,
+# GPU: Triton), compiled or interpreted.
+IMPLS = ("xla", "tpu", "gpu", "tpu_interpret", "gpu_interpret")
+_KERNELS = {"tpu": tpu_kernel, "gpu": gpu_kernel}
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+  if message not in _warned:
+    _warned.add(message)
+    _log.warning(message)
+
+
+def kernel_unsupported(kernel: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                       cache_len: int, dtype) -> str | None:
+  """Why the `kernel` ("tpu" | "gpu") cannot take these decode shapes, or None if it can."""
+  q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
+  k = jax.ShapeDtypeStruct((1, cache_len, num_kv_heads, head_dim), dtype)
+  module = _KERNELS[kernel]
+  return module.unsupported_reason(q, k, block_kv=module.DEFAULT_BLOCK_KV)
+
+
+def _fallback_message(choice: str, why: str) -> str:
+  return f"attention={choice!r} uses the XLA path: {why}"
+
+
+def resolve_attention(choice: str, cfg: ModelConfig, cache_len: int,
+                      platform: str | None = None) -> str:
+  """The implementation (one of IMPLS) that the engine's `choice` (one of config.ATTENTIONS)
+  stands for, given the model's heads, the cache length S and the backend.
+
+  "pallas" is the backend's kernel (tpu or gpu); "pallas_interpret" that kernel interpreted
+  (on CPU the TPU kernel: the Mosaic interpreter models its DMAs and takes any head dim). On CPU
+  (for "pallas") or for shapes the kernel cannot take, the answer is "xla" and one warning is
+  logged with the reason, e.g. "the gpu kernel cannot take head dim 64, cache length 74".
+  """
+  if choice not in ATTENTIONS:
+    raise ValueError(f"attention={choice!r}: expected one of {', '.join(ATTENTIONS)}")
+  if choice == "xla":
+    return "xla"
+  platform = platform or jax.default_backend()
+  kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+  if kernel is None and choice == "pallas":
+    _warn_once(_fallback_message(choice, f"no Pallas kernel for the {platform!r} backend "
+                                 "(attention='pallas_interpret' runs one interpreted)"))
+    return "xla"
+  kernel = kernel or "tpu"
+  dtype = cfg.jnp_dtype
+  why = kernel_unsupported(kernel, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim, cache_len=cache_len, dtype=dtype)
+  if why is not None:
+    _warn_once(_fallback_message(
+        choice, f"the {kernel} kernel cannot take head dim {cfg.head_dim}, cache length "
+        f"{cache_len}, {jnp.dtype(dtype).name} ({why})"))
+    return "xla"
+  return kernel + ("_interpret" if choice == "pallas_interpret" else "")
+
+
 def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
                    kv_len_B: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array,
                    mask_PxW: jax.Array, *, max_kv_len: int | None = None,
-                   max_q_len: int | None = None, sm_scale: float | None = None) -> jax.Array:
+                   max_q_len: int | None = None, sm_scale: float | None = None,
+                   impl: str = "xla", layer: int | None = None) -> jax.Array:
   """Attention of packed tree tokens over their rows' caches (the ATTENTION CONTRACT).
 
   Row b's tokens sit at packed indices [q_start_B[b], q_start_B[b] + q_len_B[b]); its i-th
   token's K/V are already in the cache at kv_len_B[b] + i. A token sees its row's prefix
   [0, kv_len_B[b]) and new token j iff bit j of its mask words is set.
 
-  XLA path: the row's tokens are gathered into a B×T block (T = `max_q_len`, a static bound of
+  `impl` (static, one of IMPLS) picks the XLA path below or a Pallas kernel, which reads only
+  each row's live KV (max_kv_len is then unused: nothing past kv_len + q_len is read). A kernel
+  that cannot take the traced shapes falls back to the XLA path with one logged warning.
+  With `layer` (static), k and v are the stacked L×B×S×K×H cache and that layer is attended: the
+  kernels read it in place (slicing a layer out for them would copy all of it every step).
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"tree_attention: impl={impl!r} is not one of {IMPLS}")
+  if impl != "xla":
+    kernel, _, interpret = impl.partition("_")
+    p, n, h = q_PxNxH.shape
+    why = kernel_unsupported(kernel, num_heads=n, num_kv_heads=k_BxSxKxH.shape[-2], head_dim=h,
+                             cache_len=k_BxSxKxH.shape[-3], dtype=q_PxNxH.dtype)
+    if why is None and jnp.dtype(k_BxSxKxH.dtype) != jnp.dtype(q_PxNxH.dtype):
+      why = f"cache dtype {k_BxSxKxH.dtype} differs from query dtype {q_PxNxH.dtype}"
+    if why is None:
+      w = mask_PxW.shape[1]
+      t = min(max_q_len or 32 * w, 32 * w, p)
+      return kernel_dispatch.tree_attention(
+          q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW,
+          sm_scale=sm_scale, max_q_len=t, impl=kernel, interpret=bool(interpret), layer=layer)
+    _warn_once(_fallback_message(impl, why))
+  if layer is not None:
+    k_BxSxKxH, v_BxSxKxH = k_BxSxKxH[layer], v_BxSxKxH[layer]
+  return _xla_tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B,
+                             mask_PxW, max_kv_len=max_kv_len, max_q_len=max_q_len,
+                             sm_scale=sm_scale)
+
+
+def _xla_tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_len_B, mask_PxW,
+                        *, max_kv_len, max_q_len, sm_scale):
+  """XLA path: the row's tokens are gathered into a B×T block (T = `max_q_len`, a static bound of
   q_len_B; 32·W without it) so each row's K/V slice is read once for all of its tokens; the
   cache is sliced to the static `max_kv_len` bucket. The visibility test is a bit test computed
   inside the fused score select, never a stored B×T×S mask. Scores are float32; positions past

@@ -80,9 +80,10 @@ class Attention(nnx.Module):
     q = attention.apply_rope(q, positions_P[None], inv_freq)[0]
     k = attention.apply_rope(k, positions_P[None], inv_freq)[0]
     cache = attention.write_packed(cache, layer, k, v, pk.kv_len_B, pk.q_start_B, pk.q_len_B)
-    out = attention.tree_attention(q, cache.k_LxBxSxKxH[layer], cache.v_LxBxSxKxH[layer],
+    out = attention.tree_attention(q, cache.k_LxBxSxKxH, cache.v_LxBxSxKxH,
                                    pk.kv_len_B, pk.q_start_B, pk.q_len_B, pk.mask_PxW,
-                                   max_kv_len=pk.max_kv_len, max_q_len=pk.max_q_len)
+                                   max_kv_len=pk.max_kv_len, max_q_len=pk.max_q_len,
+                                   impl=pk.impl, layer=layer)
     return self.o_proj(out.reshape(p, -1)), cache
 
 

@@ -5,6 +5,10 @@ that averages gradients over micro-batches inside one jit (lax.scan), with the p
 optimiser moments sharded by the model's partition rules. `Learner` owns that state (plus the
 frozen reference parameters when a KL penalty is on) and turns scored sample groups into
 `ppo_epochs` updates: advantages -> packed batch -> old / reference log-probs -> updates.
+
+With several processes each passes its own groups: they are its rows of the global batch
+(`parallel.shard_batch`), packed to the row length the longest row of any host needs, so every
+process runs the same program.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rhyme_jax import parallel
+from rhyme_jax import multihost, parallel
 from rhyme_jax.config import Config
 from rhyme_jax.models import sharding
 from rhyme_jax.rl import losses
 from rhyme_jax.rl.advantages import get_advantage
-from rhyme_jax.rl.samples import Sample, length_buckets, pack_batch
+from rhyme_jax.rl.samples import Sample, batch_tokens, length_buckets, pack_batch
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -132,30 +136,37 @@ class Learner:
         donate_argnums=(0, 1),
         out_shardings=(shardings(self.params), shardings(self.opt_state), None))
     self._logprobs = jax.jit(functools.partial(logprob_step, self.graphdef,
-                                               c.rollout.temperature))
+                                               c.rollout.temperature),
+                             out_shardings=jax.sharding.NamedSharding(mesh, parallel.fit_spec(
+                                 parallel.batch_spec(), (self.micro * jax.process_count(), 1),
+                                 mesh)))
 
   def model(self) -> nnx.Module:
     """The current policy as a module (shares the parameter arrays)."""
     return nnx.merge(self.graphdef, self.params)
 
   def logprobs(self, params, batch) -> np.ndarray:
-    """Log-probs of `batch`'s targets under `params`, micro-batch by micro-batch."""
+    """Log-probs of `batch`'s targets (this process's rows) under `params`, micro-batch by
+    micro-batch."""
     out = []
     for i in range(0, batch["tokens"].shape[0], self.micro):
       rows = {k: batch[k][i:i + self.micro] for k in ("tokens", "targets")}
       rows = parallel.shard_batch(rows, self.mesh)
-      out.append(np.asarray(self._logprobs(params, rows["tokens"], rows["targets"])))
+      out.append(parallel.host_rows(self._logprobs(params, rows["tokens"], rows["targets"])))
     return np.concatenate(out).astype(np.float32)
 
   def train_on(self, groups: Sequence[Sequence[Sample]]) -> dict[str, Any]:
-    """Advantages, old/ref log-probs, `ppo_epochs` updates of scored groups; returns metrics."""
+    """Advantages, old/ref log-probs, `ppo_epochs` updates of scored groups (this process's;
+    every process calls it, possibly with none); returns metrics."""
     c = self.config
     mets: dict[str, Any] = {}
     # One row per prompt, one column per sample of its group.
     rewards = np.array([[s.reward for s in g] for g in groups], np.float32)
-    adv_B = np.asarray(get_advantage(c.rl.advantage)(
-        jnp.asarray(rewards), normalize_std=c.rl.normalize_std)).reshape(-1)
-    batch = pack_batch(groups, adv_B, self.num_rows, self.buckets)
+    adv_B = (np.asarray(get_advantage(c.rl.advantage)(
+        jnp.asarray(rewards), normalize_std=c.rl.normalize_std)).reshape(-1) if groups
+             else np.zeros(0, np.float32))
+    longest = multihost.max_over_processes(batch_tokens(groups))
+    batch = pack_batch(groups, adv_B, self.num_rows, self.buckets, min_tokens=longest)
     if not c.rl.tis_cap:
       del batch["rollout"]
     mets["seq_len"] = batch["tokens"].shape[1]

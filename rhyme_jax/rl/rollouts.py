@@ -3,11 +3,13 @@
 `Rollouts` owns the engine, the sampling parameters, the history store (with
 `--spec=histospec` or a history-based `--schedule`) and the history drafter (with
 `--spec=histospec`). `sample_round` samples G responses for a batch of prompts in the
-`--schedule` admission order (`scheduling.plan_step`: lengths predicted from the store) and
-records every finished group in the store, so the prompt's next visit drafts from it and is
-scheduled by it; `evaluate` decodes held-out prompts greedily. Request ids are a function of (step, round, prompt, sample) and the
-engine's sampling keys of (seed, request id, position), so a resumed run samples the same
-tokens as one that never stopped.
+`--schedule` admission order (`scheduling.plan_step`: lengths predicted from the store);
+`record` adds finished groups to the store (every host's, in process order, so the store is
+the same on all hosts and a prompt's next visit drafts from it and is scheduled by it wherever
+it lands); `evaluate` decodes held-out prompts greedily. Request ids are a function of (step,
+round, process, prompt, sample) and the engine's sampling keys of (seed, request id,
+position), so a resumed run samples the same tokens as one that never stopped, and no two
+hosts share sampling noise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from rhyme_jax.config import Config, ids_per_step
 from rhyme_jax.history.drafter import HistoryDrafter
 from rhyme_jax.history.store import HistoryStore
 from rhyme_jax.rl.rewards.scoring import Scorer
-from rhyme_jax.rl.samples import Prompt, Sample, accuracy, rows_hash, tokens_crc32
+from rhyme_jax.rl.samples import (GroupRecord, Prompt, Sample, accuracy, rows_hash,
+                                  tokens_crc32)
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
 from rhyme_jax.scheduling.plan import SCHEDULES, plan_step
@@ -44,15 +47,26 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
       max_draft=c.rollout.draft_budget if drafting else 0,
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
-      eos_ids=tuple(eos_ids), seed=c.run.seed)
+      attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed)
+
+
+def request_base(config: Config, step: int, round_idx: int, process_index: int = 0,
+                 process_count: int = 1) -> int:
+  """First request id of a process's round: ids run over (step, round, process, sample), so a
+  run of P processes with N prompts each samples what one process with P * N prompts would."""
+  rounds = ids_per_step(config) // config.rl.samples_per_step
+  return ((step * rounds + round_idx) * process_count + process_index) * \
+      config.rl.samples_per_step
 
 
 class Rollouts:
-  """Samples and scores groups of responses with the rollout engine."""
+  """Samples and scores groups of responses with the rollout engine (this host's)."""
 
-  def __init__(self, config: Config, model, tokenizer, scorer: Scorer):
+  def __init__(self, config: Config, model, tokenizer, scorer: Scorer, process_index: int = 0,
+               process_count: int = 1):
     c = config
     self.config = config
+    self.process_index, self.process_count = process_index, process_count
     self.scorer = scorer
     history = c.rollout.spec == "histospec" or c.rollout.schedule != "fifo"
     self.store = HistoryStore() if history else None
@@ -80,10 +94,9 @@ class Rollouts:
 
   def sample_round(self, prompts: Sequence[Prompt], step: int, round_idx: int,
                    stats: dict[str, Any]) -> list[list[Sample]]:
-    """G scored responses per prompt; each group is recorded in the history store."""
+    """G scored responses per prompt (`record` adds them to the history store)."""
     c = self.config
-    stats.setdefault("rows", []).extend(prompts)
-    base = step * ids_per_step(c) + round_idx * c.rl.samples_per_step
+    base = request_base(c, step, round_idx, self.process_index, self.process_count)
     t0 = time.perf_counter()
     requests = self._requests(prompts, base, self.sampling, (step, round_idx))
     admission = None
@@ -109,19 +122,23 @@ class Rollouts:
         group.append(Sample(p, r.tokens, r.logprobs, r.finish_reason))
       self.scorer.score_group(group)
       if self.drafter is not None:
-        self.drafter.record_group(p.key, [x.tokens for x in group], [x.reward for x in group],
-                                  epoch=p.epoch)
         self.drafter.end_group(((step, round_idx), i))
-      elif self.store is not None:
-        self.store.add_group(p.key, p.epoch, [x.tokens for x in group],
-                             [x.reward for x in group])
       groups.append(group)
     stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
     return groups
 
-  def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, float]:
-    """Greedy decoding of held-out prompts: mean reward and accuracy."""
-    t0 = time.perf_counter()
+  def record(self, records: Sequence[GroupRecord]) -> None:
+    """Adds finished groups to the history store, in order (later visits draft from them and
+    are scheduled by them)."""
+    for r in records:
+      if self.drafter is not None:
+        self.drafter.record_group(r.key, r.responses, r.rewards, epoch=r.epoch)
+      elif self.store is not None:
+        self.store.add_group(r.key, r.epoch, r.responses, r.rewards)
+
+  def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, list]:
+    """Greedy decoding of held-out prompts: per-prompt reward, response length, correctness
+    (`eval_metrics` turns every host's lists into the logged means)."""
     results = self.engine.generate(self._requests(prompts, 0, self.greedy, ("eval", step)))
     samples = [Sample(p, r.tokens, r.logprobs, r.finish_reason) for p, r in zip(prompts, results)]
     for s in samples:
@@ -129,33 +146,41 @@ class Rollouts:
     if self.drafter is not None:
       for i in range(len(prompts)):
         self.drafter.end_group((("eval", step), i))
-    out = {"eval/reward": float(np.mean([s.reward for s in samples])),
-           "eval/response_length": float(np.mean([len(s.tokens) for s in samples])),
-           "time/eval": time.perf_counter() - t0}
-    acc = accuracy(samples)
-    if acc is not None:
-      out["eval/accuracy"] = acc
-    return out
+    return {"reward": [float(s.reward) for s in samples],
+            "length": [len(s.tokens) for s in samples], "correct": [s.correct for s in samples]}
 
 
-def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
+def eval_metrics(parts: Sequence[dict[str, list]], seconds: float) -> dict[str, float]:
+  """Mean reward, response length and accuracy over every host's `Rollouts.evaluate` lists."""
+  join = lambda k: [x for part in parts for x in part[k]]
+  out = {"eval/reward": float(np.mean(join("reward"))),
+         "eval/response_length": float(np.mean(join("length"))), "time/eval": seconds}
+  acc = accuracy(join("correct"))
+  if acc is not None:
+    out["eval/accuracy"] = acc
+  return out
+
+
+def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, Any],
                     prompts_per_step: int) -> dict[str, Any]:
-  """What a step's rollouts did: rewards, lengths, speculation and timing."""
+  """What a step's rollouts did (every host's groups, in order): rewards, lengths, speculation
+  and timing. `prompts_per_step` counts all hosts' prompts of one round."""
   m: dict[str, Any] = {}
-  rewards = np.array([s.reward for s in samples])
-  lengths = np.array([len(s.tokens) for s in samples])
+  responses = [r for g in records for r in g.responses]
+  rewards = np.array([x for g in records for x in g.rewards])
+  lengths = np.array([len(r) for r in responses])
   m["reward/mean"] = float(rewards.mean())
   m["reward/std"] = float(rewards.std())
-  acc = accuracy(samples)
+  acc = accuracy([x for g in records for x in g.correct])
   if acc is not None:
     m["accuracy"] = acc
   m["response_length/mean"] = float(lengths.mean())
   m["response_length/max"] = int(lengths.max())
-  m["rollout/tokens_crc32"] = tokens_crc32(samples)
-  m["response_length/truncated_frac"] = float(np.mean([s.finish_reason == "length"
-                                                       for s in samples]))
-  rows = stats["rows"]
-  m["rollout/rounds"] = len(rows) // prompts_per_step
+  m["rollout/tokens_crc32"] = tokens_crc32(responses)
+  m["response_length/truncated_frac"] = float(np.mean([f == "length" for g in records
+                                                       for f in g.finish]))
+  m["rollout/samples"] = len(responses)
+  m["rollout/rounds"] = len(records) // prompts_per_step
   m["rollout/groups_kept"] = kept
   m["rollout/tokens_per_s"] = stats["tokens"] / max(stats["time/rollout"], 1e-9)
   m["rollout/mean_accepted_length"] = stats["tokens"] / max(stats["useful_slot_steps"], 1)
@@ -172,6 +197,15 @@ def rollout_metrics(samples: Sequence[Sample], kept: int, stats: dict[str, Any],
     if k in stats:
       m[k] = stats[k]
   m["time/reward"] = stats["time/reward"]
-  m["data/epoch"] = int(max(p.epoch for p in rows))
-  m["data/batch_hash"] = rows_hash(rows)
+  m["data/epoch"] = int(max(g.epoch for g in records))
+  m["data/batch_hash"] = rows_hash([g.uid for g in records])
   return m
+
+
+def combine_stats(per_host: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Hosts' rollout counters summed; their wall times (they ran side by side) the longest."""
+  out = {k: sum(h.get(k, 0) for h in per_host) for k in _ENGINE_COUNTERS}
+  for k in ("time/rollout", "time/reward", "time/rollout_makespan", "time/rollout_tail"):
+    if k in per_host[0]:
+      out[k] = max(h[k] for h in per_host)
+  return out

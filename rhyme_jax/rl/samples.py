@@ -1,8 +1,9 @@
 """Prompts, samples and the train step's sequence layout (host side, numpy).
 
 A `Prompt` is one example rendered and tokenized for the engine; a `Sample` is one sampled
-response to it with its engine log-probs and, once scored, its reward. `pack_batch` lays a
-step's samples out for the learner:
+response to it with its engine log-probs and, once scored, its reward. A `GroupRecord` is what every
+host learns of a group sampled anywhere (the step's exchange between hosts): enough for the
+history store and the step's metrics. `pack_batch` lays a step's samples out for the learner:
 
   per row [prompt, response] right-padded to a static length T taken from a few buckets;
   positions = arange(T); the logits at t score token t + 1 (`targets_BxT[:, t]`), and the loss
@@ -46,6 +47,38 @@ class Sample:
   text: str = ""
 
 
+@dataclasses.dataclass
+class GroupRecord:
+  """One sampled group, JSON-able: prompt identity, responses and their scores."""
+
+  uid: str  # the example's
+  key: str  # the prompt's history-store key
+  epoch: int
+  responses: list[np.ndarray]  # int32 token arrays, one per sample
+  rewards: list[float]
+  correct: list[float | None]
+  finish: list[str]  # finish reasons
+
+  @classmethod
+  def of(cls, group: Sequence[Sample]) -> "GroupRecord":
+    p = group[0].prompt
+    return cls(p.example.uid, p.key, p.epoch, [np.asarray(s.tokens, np.int32) for s in group],
+               [float(s.reward) for s in group],
+               [None if s.correct is None else float(s.correct) for s in group],
+               [s.finish_reason for s in group])
+
+  def to_json(self) -> dict:
+    return {"uid": self.uid, "key": self.key, "epoch": self.epoch,
+            "responses": [r.tolist() for r in self.responses], "rewards": self.rewards,
+            "correct": self.correct, "finish": self.finish}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "GroupRecord":
+    return cls(d["uid"], d["key"], int(d["epoch"]),
+               [np.asarray(r, np.int32) for r in d["responses"]], list(d["rewards"]),
+               list(d["correct"]), list(d["finish"]))
+
+
 def encode_prompts(texts: Sequence[str], examples: Sequence[Example], epochs: Sequence[int],
                    tokenizer, max_prompt_len: int) -> list[Prompt]:
   """Tokenizes rendered prompts; a prompt too long for `--max_prompt_len` names its example."""
@@ -84,9 +117,17 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {buckets[-1]}")
 
 
+def batch_tokens(groups: Sequence[Sequence[Sample]]) -> int:
+  """The longest [prompt, response] row of the groups (at least 1)."""
+  return max((len(s.prompt.tokens) + len(s.tokens) for g in groups for s in g), default=1)
+
+
 def pack_batch(groups: Sequence[Sequence[Sample]], advantages_B: np.ndarray, num_rows: int,
-               buckets: Sequence[int]) -> dict[str, np.ndarray]:
+               buckets: Sequence[int], min_tokens: int = 1) -> dict[str, np.ndarray]:
   """Right-padded [prompt, response] rows; rows past the samples are empty (mask 0).
+
+  The row length is the smallest bucket holding the longest row and `min_tokens` (the
+  longest row of any host, so that every host packs the same shape).
 
   Keys (all [B, T] but `adv`, [B]): tokens (model inputs), targets (targets[:, t] =
   tokens[:, t + 1], what the logits at t score), mask (1 where the target is a response
@@ -95,8 +136,7 @@ def pack_batch(groups: Sequence[Sequence[Sample]], advantages_B: np.ndarray, num
   samples = [s for g in groups for s in g]
   if len(samples) > num_rows:
     raise ValueError(f"{len(samples)} samples do not fit in {num_rows} rows")
-  need = max((len(s.prompt.tokens) + len(s.tokens) for s in samples), default=1)
-  t = pick_bucket(need, buckets)
+  t = pick_bucket(max(batch_tokens(groups), min_tokens), buckets)
   tokens_BxT = np.zeros((num_rows, t), np.int32)
   targets_BxT = np.zeros((num_rows, t), np.int32)
   mask_BxT = np.zeros((num_rows, t), np.float32)
@@ -114,19 +154,20 @@ def pack_batch(groups: Sequence[Sequence[Sample]], advantages_B: np.ndarray, num
               adv=adv_B)
 
 
-def accuracy(samples: Sequence[Sample]) -> float | None:
-  """Mean correctness of the samples whose reward has a correctness component."""
-  correct = [s.correct for s in samples if s.correct is not None]
+def accuracy(correct: Sequence[float | None]) -> float | None:
+  """Mean correctness of the samples whose reward has a correctness component (None: none)."""
+  correct = [c for c in correct if c is not None]
   return float(np.mean(correct)) if correct else None
 
 
-def rows_hash(prompts: Sequence[Prompt]) -> str:
-  """Short fingerprint of which examples a step saw (equal across resumed and fresh runs)."""
-  return hashlib.sha1(",".join(p.example.uid for p in prompts).encode()).hexdigest()[:12]
+def rows_hash(uids: Sequence[str]) -> str:
+  """Short fingerprint of which examples (by uid, in order) a step saw (equal across resumed
+  and fresh runs)."""
+  return hashlib.sha1(",".join(uids).encode()).hexdigest()[:12]
 
 
-def tokens_crc32(samples: Sequence[Sample]) -> str:
+def tokens_crc32(responses: Sequence[np.ndarray]) -> str:
   """Fingerprint of every sampled token: equal across runs iff they sampled the same tokens
   (e.g. --spec=histospec vs --spec=none with the same seed)."""
-  sampled = b"".join(np.asarray(s.tokens, np.int32).tobytes() for s in samples)
+  sampled = b"".join(np.asarray(r, np.int32).tobytes() for r in responses)
   return f"{zlib.crc32(sampled):08x}"

@@ -9,14 +9,20 @@
   rewards/scoring.py  decoded responses -> reward, correctness, DAPO overlong penalty
   learner.py          advantages, old / reference log-probs, `ppo_epochs` jitted updates
 
-Per step: rollout (with dynamic sampling, groups whose rewards are all equal are dropped and
-refilled from the next prompts) -> learner update -> the engine gets the new weights ->
-metrics, checkpoint, periodic greedy evaluation.
+  hosts.py            what hosts exchange at a step boundary (multi-host design:
+                      rhyme_jax.multihost)
 
-Inputs are checked (`check_inputs`) before anything is written. Resumption: the data iterator
-state, parameters, optimiser state and history store ride in the checkpoint; the RNG "state"
-is the seed itself (sampling keys are functions of seed, request id and position), so a
-resumed run samples what an uninterrupted one would. SIGTERM saves at the next step boundary.
+Per step: rollout (with dynamic sampling, groups whose rewards are all equal are dropped and
+refilled from the next prompts) -> every host's groups exchanged, recorded in the history
+store -> learner update -> the engine gets the new weights -> metrics, checkpoint, periodic
+greedy evaluation. With several processes (one per host) each samples its own slice of the
+prompts on its own host-local engine; training is one global program.
+
+Inputs are checked (`check_inputs`) before anything is written. Resumption: every process's
+data-iterator state, parameters, optimiser state and history store ride in the checkpoint;
+the RNG "state" is the seed itself (sampling keys are functions of seed, request id and
+position), so a resumed run samples what an uninterrupted one would. SIGTERM (to any process)
+saves at the next step boundary.
 """
 
 from __future__ import annotations
@@ -27,31 +33,33 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging as absl_logging
+from etils import epath
+from flax import nnx
 
 from rhyme_jax import checkpoint as ckpt_lib
 from rhyme_jax import metrics as metrics_lib
-from rhyme_jax import parallel
+from rhyme_jax import multihost, parallel
 from rhyme_jax import run_config
-from rhyme_jax.config import RESUMABLE_CHANGES, Config, ConfigError
+from rhyme_jax.config import RESUMABLE_CHANGES, Config, ConfigError, ids_per_step
 from rhyme_jax.data.datasets import Example, load_examples
 from rhyme_jax.data.pipeline import PromptPipeline
 from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template, render_prompt
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.loading import ModelError, load_model, read_model_config
+from rhyme_jax.models.sharding import param_shardings
 from rhyme_jax.models.tokenizer import load_tokenizer
+from rhyme_jax.rl import hosts, memory
 from rhyme_jax.rl.learner import Learner
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.registry import RewardFn
 from rhyme_jax.rl.rewards.scoring import Scorer
-from rhyme_jax.rl.rollouts import Rollouts, engine_config, rollout_metrics
-from rhyme_jax.rl.samples import encode_prompts, length_buckets
+from rhyme_jax.rl.rollouts import Rollouts, engine_config, eval_metrics, rollout_metrics
+from rhyme_jax.rl.samples import GroupRecord, encode_prompts, length_buckets
 
 
 @dataclasses.dataclass
@@ -64,6 +72,7 @@ class Inputs:
   tokenizer: Any
   template: PromptTemplate
   model_config: ModelConfig
+  distributed: dict[str, Any] | None  # jax.distributed.initialize arguments; None: one process
 
 
 def check_inputs(config: Config) -> Inputs:
@@ -73,6 +82,12 @@ def check_inputs(config: Config) -> Inputs:
   nothing and touches no device.
   """
   c = config
+  d = c.distributed
+  try:
+    distributed = parallel.distributed_settings(d.coordinator_address, d.num_processes,
+                                                d.process_id)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   try:
     reward_fn = get_reward_fn(c.reward_name)
   except ValueError as e:
@@ -82,7 +97,7 @@ def check_inputs(config: Config) -> Inputs:
   evals = (load_examples(c.data.eval_dataset or c.data.task, "test",
                          data_dir=c.data.data_dir or None)[:c.run.eval_size]
            if c.run.eval_every else [])
-  if (Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists():
+  if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists():
     run_config.check_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
   model_config = read_model_config(c.model.model, param_dtype=_param_dtype(c))
   flag = "tokenizer" if c.model.tokenizer else "model"
@@ -94,7 +109,7 @@ def check_inputs(config: Config) -> Inputs:
     raise ConfigError(f"--{flag}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
                       f"the model's ({model_config.vocab_size})")
   return Inputs(reward_fn, train, evals, tokenizer, get_prompt_template(c.data.task),
-                model_config)
+                model_config, distributed)
 
 
 def _param_dtype(c: Config):
@@ -105,16 +120,13 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
   """The `--dry_run` report: mesh, shapes compiled, data and a memory estimate."""
   c, m = config, inputs.model_config
   mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  d, f, v, h = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_dim
-  per_layer = d * h * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * f + 2 * d
-  num_params = m.num_layers * per_layer + v * d * (1 if m.tie_word_embeddings else 2) + d
-  bytes_per = 2 if c.model.param_dtype == "bfloat16" else 4
-  # params + grads + two Adam moments (+ a frozen reference copy with a KL penalty)
-  copies = 4 + (1 if c.rl.kl_beta > 0 else 0)
+  d, v, h = m.hidden_size, m.vocab_size, m.head_dim
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(memory.abstract_params(m)))
+  est = memory.estimate(c, m, mesh)
+  limit = memory.device_memory_bytes(c)
   eng = engine_config(c, inputs.tokenizer.stop_ids, c.rollout.spec == "histospec")
-  b, s = max(eng.buckets), c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  s = c.rollout.max_prompt_len + c.rollout.max_new_tokens
   n = c.rl.samples_per_step
-  kv_bytes = 2 * m.num_layers * b * s * m.num_kv_heads * h * bytes_per
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   lines = [
       f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.default_backend()} device(s)",
@@ -131,12 +143,24 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
       f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
-      f"memory (before sharding, activations excluded): train state {gib(copies * num_params * bytes_per)} "
-      f"({copies} parameter-sized copies), KV cache {gib(kv_bytes)}",
-      f"run dir: {c.run.run_dir} ({'resumes' if (Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "
+      f"memory: {est.describe()}; device memory "
+      + (f"{gib(limit)}: {'fits' if est.total <= limit else 'DOES NOT FIT'}" if limit
+         else "not reported (no check)"),
+      f"processes: {_describe_processes(inputs.distributed)}",
+      f"run dir: {c.run.run_dir} ({'resumes' if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
   ]
   return "\n".join(lines)
+
+
+def _describe_processes(settings: dict[str, Any] | None) -> str:
+  if settings is None:
+    return "one"
+  if not settings:
+    return "several, placed by the launcher (TPU pod slice, SLURM or Open MPI)"
+  return (f"{settings.get('num_processes', 'launcher-given')} meeting at "
+          f"{settings.get('coordinator_address', 'the TPU coordinator')}; rollout on each "
+          "process's own devices")
 
 
 class Trainer:
@@ -145,20 +169,30 @@ class Trainer:
   def __init__(self, config: Config, inputs: Inputs | None = None):
     c = self.config = config
     inputs = inputs or check_inputs(config)  # before anything is written
-    parallel.maybe_initialize_distributed()
-    self.mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    d = c.distributed
+    parallel.maybe_initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
+    self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    self.mesh = _mesh(c)
     self.tokenizer, self.template = inputs.tokenizer, inputs.template
     self.eval_examples = inputs.eval_examples
     self.pipeline = PromptPipeline(inputs.train_examples, batch_size=c.rl.prompts_per_step,
                                    seed=c.run.seed, render_fn=self._render,
-                                   template=self.template)
+                                   template=self.template, process_index=self.process_index,
+                                   process_count=self.process_count)
+    # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
+    self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
     model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
-    run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
+    if self.process_index == 0:  # one writer; the others checked it in check_inputs
+      run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
 
     self.learner = Learner(c, model, self.mesh, inputs.model_config)
+    # Rollout runs on this host's devices, on a replica of the policy (rhyme_jax.multihost).
+    self.policy = multihost.HostPolicy(self.mesh, param_shardings(
+        self.learner.params, multihost.host_local_mesh(self.mesh), inputs.model_config))
     scorer = Scorer(self.tokenizer, inputs.reward_fn, c.rollout.max_new_tokens,
                     c.rl.overlong_buffer)
-    self.rollouts = Rollouts(c, model, self.tokenizer, scorer)
+    self.rollouts = Rollouts(c, self._rollout_policy(), self.tokenizer, scorer,
+                             self.process_index, self.process_count)
     t0 = time.perf_counter()
     self.rollouts.warmup()  # every rollout shape compiles here, once
     absl_logging.info("rollout engine compiled in %.1fs", time.perf_counter() - t0)
@@ -168,6 +202,10 @@ class Trainer:
     self.data_iter = iter(self.pipeline)
     self._stop_signal = None
     self._restore()
+
+  def _rollout_policy(self):
+    """The learner's current parameters as this host's rollout model."""
+    return nnx.merge(self.learner.graphdef, self.policy.replica(self.learner.params))
 
   def _render(self, messages):
     return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -184,16 +222,25 @@ class Trainer:
     self.learner.params, self.learner.opt_state, self.step = (state.params, state.opt_state,
                                                               state.step)
     host = state.host_state
-    self.data_iter.set_state(host["data_iter"])
+    try:
+      data_state = hosts.my_data_state(host["data_iter"], self.process_index,
+                                       self.process_count,
+                                       f"checkpoint {self.checkpointer.directory / str(state.step)}")
+    except ValueError as e:
+      raise ckpt_lib.CheckpointError(str(e)) from e
+    self.data_iter.set_state(data_state)
     store = self.rollouts.store
     if store is not None and host.get("history") is not None:
       store.load_state_dict(host["history"])
-    self.rollouts.engine.update_params(self.learner.model())
+    self.rollouts.engine.update_params(self._rollout_policy())
     print(f"resumed from {self.checkpointer.directory} at step {self.step}", file=sys.stderr)
 
   def save(self, force: bool = False):
-    store = self.rollouts.store
-    host = {"data_iter": self.data_iter.get_state(), "rng": {"seed": self.config.run.seed},
+    if not (force or self.checkpointer.should_save(self.step)):
+      return  # (every process decides alike: the gather below is a collective)
+    store = self.rollouts.store  # the same on every host (hosts.py): process 0's is saved
+    host = {"data_iter": hosts.data_states(self.data_iter.get_state()),
+            "rng": {"seed": self.config.run.seed},
             "history": store.state_dict() if store is not None else None}
     self.checkpointer.save(self.step, params=self.learner.params,
                            opt_state=self.learner.opt_state, host_state=host, force=force)
@@ -205,35 +252,41 @@ class Trainer:
     c = self.config
     t_step = time.perf_counter()
     stats: dict[str, Any] = {}
-    kept, samples = [], []
+    kept, records = [], []
     rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
-    for r in range(rounds):
+    for r in range(rounds):  # this host's rounds: hosts may need different numbers of them
       batch = next(self.data_iter)
       prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
                                c.rollout.max_prompt_len)
       groups = self.rollouts.sample_round(prompts, self.step, r, stats)
-      samples += [s for g in groups for s in g]
+      records += [GroupRecord.of(g) for g in groups]
       if c.rl.dynamic_sampling:
         groups = [g for g in groups if len({s.reward for s in g}) > 1]
       kept += groups
       if len(kept) >= c.rl.prompts_per_step:
         break
     kept = kept[:c.rl.prompts_per_step]
-    m = rollout_metrics(samples, len(kept), stats, c.rl.prompts_per_step)
-    if kept:
+    shared = hosts.share_step(records, stats, len(kept))
+    self.rollouts.record(shared.records)
+    m = rollout_metrics(shared.records, shared.kept, shared.stats,
+                        c.rl.prompts_per_step * self.process_count)
+    if shared.kept:  # every process trains (with its kept groups, maybe none) or none does
       m.update(self.learner.train_on(kept))
-      self.rollouts.engine.update_params(self.learner.model())
+      self.rollouts.engine.update_params(self._rollout_policy())
     else:  # dynamic sampling found no informative group: nothing to learn from this step
       m.update({"time/logprob": 0.0, "time/train": 0.0})
     m["time/step"] = time.perf_counter() - t_step
     return m
 
   def evaluate(self) -> dict[str, float]:
-    """Greedy decoding on the held-out examples: mean reward and accuracy."""
-    texts = [render_prompt(e, self._render, self.template) for e in self.eval_examples]
-    prompts = encode_prompts(texts, self.eval_examples, [0] * len(texts), self.tokenizer,
+    """Greedy decoding on the held-out examples (each host a share): mean reward, accuracy."""
+    t0 = time.perf_counter()
+    mine = self.eval_examples[self.process_index::self.process_count]
+    texts = [render_prompt(e, self._render, self.template) for e in mine]
+    prompts = encode_prompts(texts, mine, [0] * len(texts), self.tokenizer,
                              self.config.rollout.max_prompt_len)
-    return self.rollouts.evaluate(prompts, self.step)
+    parts = multihost.allgather_json(self.rollouts.evaluate(prompts, self.step))
+    return eval_metrics(parts, time.perf_counter() - t0)
 
   # ---- the loop ----------------------------------------------------------------------------
 
@@ -246,19 +299,17 @@ class Trainer:
   def _stopping(self) -> bool:
     """Whether a stop signal arrived; with several processes, whether any got one (all hosts
     must leave at the same step boundary or the next collective hangs)."""
-    stop = self._stop_signal is not None
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-      stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
-      if stop and self._stop_signal is None:
-        self._stop_signal = signal.SIGTERM
+    stop = multihost.any_process(self._stop_signal is not None)
+    if stop and self._stop_signal is None:
+      self._stop_signal = signal.SIGTERM
     return stop
 
   def run(self) -> list[dict[str, Any]]:
     c = self.config
     start = self.step
+    primary = self.process_index == 0  # metrics cover every host; one process writes them
     writer = metrics_lib.MetricsWriter(c.run.run_dir, resume_step=start if start else None,
-                                       enabled=jax.process_index() == 0)
+                                       enabled=primary)
     progress = metrics_lib.Progress(c.run.num_steps, start_step=start,
                                     keys=("reward/mean", "accuracy", "eval/accuracy",
                                           "rollout/mean_accepted_length", "time/step"))
@@ -275,7 +326,7 @@ class Trainer:
         history.append(m)
         stopping = self._stopping()
         self.save(force=self.step == c.run.num_steps or stopping)
-        if self.step % c.run.log_every == 0 or self.step == c.run.num_steps:
+        if primary and (self.step % c.run.log_every == 0 or self.step == c.run.num_steps):
           progress.update(self.step, m)
         if stopping:
           break
@@ -289,6 +340,22 @@ class Trainer:
       print(f"stopped at step {self.step} (checkpoint saved); rerun the same command to "
             "resume", file=sys.stderr)
     return history
+
+
+def _mesh(c: Config):
+  """The training mesh; with several processes each must hold its own batch rows, and request
+  ids (int32) must stay in range over all of them."""
+  mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+  try:
+    parallel.check_process_rows(mesh)
+  except ValueError as e:
+    raise ConfigError(f"--mesh_data={c.mesh.data} --mesh_fsdp={c.mesh.fsdp} "
+                      f"--mesh_tensor={c.mesh.tensor}: {e}") from e
+  if (c.run.num_steps + 1) * ids_per_step(c) * jax.process_count() >= 2**31:
+    raise ConfigError(f"--num_steps={c.run.num_steps}: request ids run past 2^31 with "
+                      f"{jax.process_count()} processes (fewer steps, or a smaller "
+                      "--prompts_per_step or --group_size)")
+  return mesh
 
 
 def run(config: Config) -> list[dict[str, Any]]:

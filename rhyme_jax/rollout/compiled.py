@@ -36,16 +36,18 @@ def model_fns(graphdef, treedef):
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
   Engines over the same structure share these functions and their compilations.
   """
-  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len):
+  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len, attention_impl):
     return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
-                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len)
+                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len,
+                            attention_impl=attention_impl)
 
   def prefill(leaves, cache, slot, chunk, start):
     return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
                               chunk, start)
 
   return (jax.jit(counted("step", verify),
-                  static_argnames=("filters", "max_kv_len", "max_q_len"), donate_argnums=(1,)),
+                  static_argnames=("filters", "max_kv_len", "max_q_len",
+                                   "attention_impl"), donate_argnums=(1,)),
           jax.jit(counted("prefill", prefill), donate_argnums=(1,)))
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rhyme_jax.models.attention import KVCache
+from rhyme_jax.models.attention import KVCache, resolve_attention
 from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
@@ -80,6 +80,11 @@ class RolloutEngine:
     self.graphdef, self.params = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(self.params)
     self._verify_fn, self._prefill_fn = compiled.model_fns(self.graphdef, treedef)
+    # The attention implementation every step compiles with (logs why once if it falls back);
+    # a kernel reads only live KV, so it needs no cache-length buckets.
+    self.attention_impl = resolve_attention(config.attention, model.cfg, config.cache_len)
+    self.kv_lengths = (config.kv_lengths() if self.attention_impl == "xla"
+                       else (config.cache_len,))
     self._seed = jnp.uint32(config.seed)
     self.drafter = drafter
     self.costs = CostModel()
@@ -118,7 +123,7 @@ class RolloutEngine:
       state = self._admit(self._new_state(bucket), dummy)
       for _ in range(2):
         for p, t in self.shapes(bucket):
-          for s in self.config.kv_lengths():
+          for s in self.kv_lengths:
             trees = accept.pack([None] * bucket, [True] * bucket, p)
             state, out = self.verify(state, trees, filters, s, t)
             t0 = time.perf_counter()
@@ -141,7 +146,8 @@ class RolloutEngine:
              max_kv_len: int, max_q_len: int):
     """One jitted verify step (`step.verify_step`) with this engine's params."""
     return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters,
-                           max_kv_len=max_kv_len, max_q_len=max_q_len)
+                           max_kv_len=max_kv_len, max_q_len=max_q_len,
+                           attention_impl=self.attention_impl)
 
   def bucket_for(self, n: int) -> int:
     """The smallest bucket holding n requests (the largest bucket if none does)."""
@@ -149,7 +155,7 @@ class RolloutEngine:
     return min(fits) if fits else max(self.config.buckets)
 
   def _kv_len_for(self, need: int) -> int:
-    return min((s for s in self.config.kv_lengths() if s >= need),
+    return min((s for s in self.kv_lengths if s >= need),
                default=self.config.cache_len)
 
   # ---- request handling ------------------------------------------------------------------------
@@ -243,7 +249,7 @@ class RolloutEngine:
       return False
     if mode == "always":
       return True
-    s = self.config.kv_lengths()[-1]
+    s = self.kv_lengths[-1]
     cap = max(t for _, t in shapes) - 1
     values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
               for i in live_idx]

@@ -12,6 +12,7 @@ from typing import Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from rhyme_jax.config import ATTENTIONS
 from rhyme_jax.rollout import accept
 from rhyme_jax.rollout.sampling import SamplingParams
 
@@ -60,6 +61,21 @@ class RequestResult:
 
 DRAFT_MODES = ("sync", "ahead", "ahead_only")
 SPECULATE = ("auto", "always", "never")
+# Cache lengths are rounded up to a power-of-two multiple in [16, 512], the Pallas kernels' KV
+# block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
+# positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
+KV_ALIGN_MIN, KV_ALIGN_MAX = 16, 512
+
+
+def kv_align(s: int) -> int:
+  """The multiple a cache length of about s positions is rounded up to."""
+  return min(KV_ALIGN_MAX, max(KV_ALIGN_MIN, 1 << max(0, (s // 16).bit_length() - 1)))
+
+
+def round_kv(s: int) -> int:
+  """s rounded up to its alignment (kv_align): what the kernels' blocks divide."""
+  a = kv_align(s)
+  return -(-s // a) * a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +109,10 @@ class EngineConfig:
   #   synchronously only where the emitted tokens left the tree;
   # - "ahead_only": as "ahead", but never on the critical path.
   draft_mode: str = "sync"
+  # Decode attention (config.ATTENTIONS): "xla", "pallas" (the backend's Pallas kernel; the XLA
+  # path with one logged reason on CPU or an unsupported shape) or "pallas_interpret" (that
+  # kernel interpreted, for CPU tests). A static part of every compiled step.
+  attention: str = "xla"
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
@@ -111,6 +131,8 @@ class EngineConfig:
       raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
     if self.draft_mode not in DRAFT_MODES:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTIONS}")
 
   @property
   def row_tokens(self) -> int:
@@ -118,8 +140,10 @@ class EngineConfig:
 
   @property
   def cache_len(self) -> int:
-    """Room for a request's tokens plus one step's tree and one pipelined step past its end."""
-    return self.max_len + 2 * self.row_tokens
+    """Room for a request's tokens plus one step's tree and one pipelined step past its end,
+    rounded up (round_kv) so the Pallas kernels' KV blocks divide it. Positions past a row's
+    length are never attended (the XLA path masks them, the kernels never read them)."""
+    return round_kv(self.max_len + 2 * self.row_tokens)
 
   @property
   def lookahead_budget(self) -> int:
@@ -127,8 +151,9 @@ class EngineConfig:
     return 2 * self.max_draft + 1
 
   def kv_lengths(self) -> tuple[int, ...]:
+    """Cache-length buckets the XLA path slices attention to: S, S/2, ... each rounded up."""
     s = self.cache_len
-    return tuple(sorted({min(s, -(-(s >> i) // 16) * 16) for i in range(self.kv_buckets)}))
+    return tuple(sorted({min(s, round_kv(s >> i)) for i in range(self.kv_buckets)}))
 
   def spec_shapes(self, bucket: int) -> tuple[tuple[int, int], ...]:
     """(P, T) of the speculative steps of a bucket: packed size, tokens per row."""

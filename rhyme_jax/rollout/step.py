@@ -54,12 +54,13 @@ class StepOutput(NamedTuple):
 
 def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
                 trees: accept.PackedTrees, seed: jax.Array, *, filters: bool, max_kv_len: int,
-                max_q_len: int) -> tuple[DecodeState, StepOutput]:
+                max_q_len: int, attention_impl: str = "xla") -> tuple[DecodeState, StepOutput]:
   """One forward over the packed roots and draft nodes, lossless acceptance, KV compaction.
 
   Static shape: B rows, P packed tokens (trees.tokens_P), at most `max_q_len` tokens per row,
   attention over the first `max_kv_len` cache positions (>= every row's length + q_len).
-  `max_q_len == 1` is plain decoding (every row its root alone).
+  `max_q_len == 1` is plain decoding (every row its root alone). `attention_impl` (static, one
+  of models.attention.IMPLS) is the XLA path or a Pallas kernel.
   """
   model = nnx.merge(graphdef, params)
   b, p = state.batch, trees.tokens_P.shape[0]
@@ -68,7 +69,7 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   tokens_P = jnp.where(is_root_P, state.root_B[row_P], trees.tokens_P)
   positions_P = state.length_B[row_P] + trees.depth_P
   pk = attention.Packed(state.length_B, trees.q_start_B, trees.q_len_B, trees.mask_PxW,
-                        max_kv_len, max_q_len)
+                        max_kv_len, max_q_len, attention_impl)
   logits_PxV, cache = model.decode_packed(tokens_P, positions_P, state.cache, pk)
   # A token samples the token at (its position + 1).
   keys = sampling.sample_keys(seed, state.request_B[row_P], positions_P + 1)

@@ -27,12 +27,12 @@ def model():
   return init_model(cfg, seed=1)
 
 
-def engine(model, drafter, eos=(EOS,), budget=BUDGET, draft_mode="sync"):
+def engine(model, drafter, eos=(EOS,), budget=BUDGET, draft_mode="sync", attention="xla"):
   """Every step verifies a tree of `budget` tokens (empty for NoDrafts): one step shape for
   plain and speculative runs, so their tokens must be bit-identical."""
   cfg = EngineConfig(max_len=96, buckets=(8, 4, 2, 1), max_draft=budget, speculate="always",
-                     pack_factors=(budget + 1,),
-                     kv_buckets=1, eos_ids=eos, seed=7, draft_mode=draft_mode)
+                     pack_factors=(budget + 1,), kv_buckets=1, eos_ids=eos, seed=7,
+                     draft_mode=draft_mode, attention=attention)
   return RolloutEngine(model, cfg, drafter)
 
 
@@ -184,6 +184,25 @@ def test_history_and_siblings_keep_tokens_under_perturbed_weights(model):
   spec = eng.generate(reqs)
   assert_same_tokens(plain, spec, "perturbed weights")
   assert eng.stats.accepted > 0
+
+
+def test_history_drafts_on_the_kernel_path_emit_the_xla_tokens(model):
+  """attention='pallas_interpret' (on CPU the TPU kernel, interpreted) with history and sibling
+  drafts: the history is the responses with every fourth token changed, so drafts are partly
+  accepted, and the tokens equal the XLA path's plain decoding (few tokens: the interpreter is
+  slow)."""
+  params = SamplingParams(temperature=0.0, max_new_tokens=12)
+  reqs = group_requests(prompts(2, seed=9), 2, params)
+  plain = engine(model, NoDrafts(), eos=()).generate(reqs)
+  drafter = HistoryDrafter(HistoryStore(), max_budget=BUDGET)
+  for req, res in zip(reqs, plain):
+    wrong = res.tokens.copy()
+    wrong[3::4] = (wrong[3::4] + 1) % VOCAB
+    drafter.record_group(req.prompt_key, [wrong])
+  eng = engine(model, drafter, eos=(), attention="pallas_interpret")
+  assert eng.attention_impl == "tpu_interpret"
+  assert_same_tokens(plain, eng.generate(reqs), "history drafts on the kernel path")
+  assert 0 < eng.stats.accepted < eng.stats.drafted
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6])

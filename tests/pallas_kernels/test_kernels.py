@@ -57,6 +57,25 @@ def test_kernel_matches_reference(impl, name):
   _check(out, case)
 
 
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernel_reads_one_layer_of_a_stacked_cache(impl):
+  """layer=1 of a [3, B, S, K, H] cache whose other layers are NaN: the kernel reads that layer
+  in place and equals the reference on it (the engine passes its whole cache this way)."""
+  case, max_q_len = _case("f32_gqa3_bushy_2words")
+  nan = jnp.full_like(case.k_BxSxKxH, jnp.nan)
+  k = jnp.stack([nan, case.k_BxSxKxH, nan])
+  v = jnp.stack([nan, case.v_BxSxKxH, nan])
+  interpret = pltpu.InterpretParams(dma_execution_mode="eager") if impl == "tpu" else True
+  out = dispatch.tree_attention(case.q_PxNxH, k, v, *case.args[3:], impl=impl,
+                                interpret=interpret, block_kv=BLOCK, max_q_len=max_q_len,
+                                layer=1)
+  _check(out, case)
+  ref = dispatch.tree_attention(case.q_PxNxH, k, v, *case.args[3:], impl="reference", layer=1)
+  _check(ref, case)
+  with pytest.raises(ValueError, match="layer=3 is outside the cache's 3 layers"):
+    dispatch.tree_attention(case.q_PxNxH, k, v, *case.args[3:], impl=impl, layer=3)
+
+
 def test_tpu_kernel_race_free_with_nan_scratch():
   """Race detector over the double-buffered DMAs; copies land only at their wait (a read before
   the wait would see the NaN the scratch starts with)."""

@@ -21,15 +21,18 @@ HEADS = {  # name: (query heads N, KV heads K, head dim H)
 
 
 def _export(impl, platform, heads, dtype, *, batch=8, cache_len=4096, tokens=8 * 17,
-            max_q_len=17):
+            max_q_len=17, layers=None):
+  """layers: a stacked [L, B, S, K, H] cache of which the kernel reads layer L - 1."""
   num_heads, num_kv_heads, head_dim = heads
   sd = jax.ShapeDtypeStruct
   i32 = sd((batch,), jnp.int32)
-  args = (sd((tokens, num_heads, head_dim), dtype),
-          sd((batch, cache_len, num_kv_heads, head_dim), dtype),
-          sd((batch, cache_len, num_kv_heads, head_dim), dtype), i32, i32, i32,
-          sd((tokens, 1), jnp.uint32))
-  fn = jax.jit(lambda *a: dispatch.tree_attention(*a, impl=impl, max_q_len=max_q_len))
+  cache = (batch, cache_len, num_kv_heads, head_dim)
+  cache = cache if layers is None else (layers, *cache)
+  args = (sd((tokens, num_heads, head_dim), dtype), sd(cache, dtype), sd(cache, dtype), i32, i32,
+          i32, sd((tokens, 1), jnp.uint32))
+  layer = None if layers is None else layers - 1
+  fn = jax.jit(lambda *a: dispatch.tree_attention(*a, impl=impl, max_q_len=max_q_len,
+                                                  layer=layer))
   # Triton custom calls carry no serialization-compatibility guarantee; we only lower here.
   checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)] if platform == "cuda" else []
   exported = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
@@ -56,3 +59,11 @@ def test_decode_tiles_lower_for_both():
                                       tokens=8, max_q_len=1)
   assert TRITON_CALL in _export("gpu", "cuda", HEADS["qwen2.5-7b"], jnp.bfloat16, tokens=8,
                                 max_q_len=1)
+
+
+def test_stacked_cache_lowers_for_both():
+  """The engine's call: the whole [L, B, S, K, H] cache and a static layer (read in place)."""
+  assert "tpu_custom_call" in _export("tpu", "tpu", HEADS["qwen2.5-7b"], jnp.bfloat16,
+                                      cache_len=4352, layers=28)
+  assert TRITON_CALL in _export("gpu", "cuda", HEADS["qwen2.5-7b"], jnp.bfloat16,
+                                cache_len=4352, layers=28)

@@ -11,8 +11,9 @@ from rhyme_jax.data.datasets import Example
 from rhyme_jax.models.loading import load_model
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.scoring import Scorer
-from rhyme_jax.rl.rollouts import Rollouts, engine_config, rollout_metrics
-from rhyme_jax.rl.samples import Sample, encode_prompts, prompt_of
+from rhyme_jax.rl.rollouts import (Rollouts, combine_stats, engine_config, eval_metrics,
+                                   request_base, rollout_metrics)
+from rhyme_jax.rl.samples import GroupRecord, Sample, encode_prompts, prompt_of
 
 
 def _config(*flags):
@@ -43,6 +44,8 @@ def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tok
   groups = rollouts.sample_round(prompts, 3, 0, stats)
   assert [len(g) for g in groups] == [4, 4]
   assert all(s.text == tok.decode(s.tokens) and s.reward in (0.0, 1.0) for g in groups for s in g)
+  assert len(rollouts.store) == 0
+  rollouts.record([GroupRecord.of(g) for g in groups])
   assert len(rollouts.store) == 2  # each finished group recorded for the prompt's next visit
   assert stats["tokens"] == sum(len(s.tokens) for g in groups for s in g)
   # Request ids depend on (step, round, prompt, sample) only: the same step samples the same
@@ -71,6 +74,7 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
     stats = {}
     first = rollouts.sample_round(prompts, 1, 0, stats)
     assert stats["time/rollout_makespan"] >= stats["time/rollout_tail"] >= 0.0
+    rollouts.record([GroupRecord.of(g) for g in first])  # what the trainer does after a step
     second = rollouts.sample_round(prompts, 2, 0, {})
     if schedule != "fifo":
       assert len(rollouts.store) == 3 and rollouts.predictor.predict(prompts[0].key).known
@@ -85,13 +89,46 @@ def test_rollout_metrics():
   p = prompt_of(Example("u", "q", "a"), [1, 2], epoch=1)
   samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
              Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
-  stats = {"rows": [p, p], "tokens": 3, "useful_slot_steps": 2, "steps": 2,
+  records = [GroupRecord.of(samples[:1]), GroupRecord.of(samples[1:])]  # two one-sample rows
+  stats = {"tokens": 3, "useful_slot_steps": 2, "steps": 2,
            "draft_time_s": 0.0, "lookahead_time_s": 0.0, "ahead_hits": 1, "ahead_misses": 3,
            "time/rollout": 1.5, "time/reward": 0.1}
-  m = rollout_metrics(samples, kept=1, stats=stats, prompts_per_step=1)
+  m = rollout_metrics(records, kept=1, stats=stats, prompts_per_step=1)
   assert m["reward/mean"] == 0.5 and m["accuracy"] == 0.5
   assert m["response_length/max"] == 2 and m["response_length/truncated_frac"] == 0.5
   assert m["rollout/mean_accepted_length"] == 1.5  # 3 tokens in 2 useful slot-steps
   assert m["rollout/forwards_per_token"] == 2 / 3
   assert m["rollout/ahead_hit_rate"] == 0.25 and m["rollout/rounds"] == 2
   assert m["data/epoch"] == 1 and m["rollout/tokens_per_s"] == 2.0
+  assert m["rollout/samples"] == 2
+
+
+def test_hosts_stats_and_eval_combine():
+  a = {"tokens": 3, "useful_slot_steps": 2, "steps": 2, "draft_time_s": 0.5,
+       "lookahead_time_s": 0.0, "ahead_hits": 1, "ahead_misses": 0, "time/rollout": 1.5,
+       "time/reward": 0.1}
+  b = dict(a, tokens=5, steps=4, **{"time/rollout": 2.5, "time/reward": 0.05})
+  both = combine_stats([a, b])
+  assert both["tokens"] == 8 and both["steps"] == 6 and both["draft_time_s"] == 1.0
+  assert both["time/rollout"] == 2.5 and both["time/reward"] == 0.1  # side by side: the longest
+  m = eval_metrics([{"reward": [1.0], "length": [4], "correct": [1.0]},
+                    {"reward": [0.0, 0.5], "length": [2, 3], "correct": [0.0, None]}], 2.0)
+  assert m == {"eval/reward": 0.5, "eval/response_length": 3.0, "time/eval": 2.0,
+               "eval/accuracy": 0.5}
+
+
+def test_request_ids_are_distinct_across_processes_rounds_and_steps():
+  """Two processes of 2 prompts x 4 samples use exactly the ids one process of 4 prompts
+  would: distinct keys on every host, and the same samples as the one-host run."""
+  two = _config("--dynamic_sampling", "--dynamic_sampling_max_rounds=2")
+  one = _config("--dynamic_sampling", "--dynamic_sampling_max_rounds=2", "--prompts_per_step=4")
+  ids = lambda c, p, n, step, r: set(range(request_base(c, step, r, p, n),
+                                           request_base(c, step, r, p, n) + c.rl.samples_per_step))
+  for step in (0, 1, 7):
+    for r in (0, 1):
+      host0, host1 = ids(two, 0, 2, step, r), ids(two, 1, 2, step, r)
+      assert not host0 & host1
+      assert host0 | host1 == ids(one, 0, 1, step, r)
+  every = [i for step in range(3) for r in range(2) for p in range(2) for i in ids(two, p, 2, step, r)]
+  assert sorted(every) == list(range(3 * 2 * 2 * 8))  # dense, none shared
+  assert request_base(_config(), 5, 0) == 5 * 8  # one process: step * samples per step

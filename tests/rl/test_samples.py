@@ -62,10 +62,31 @@ def test_pack_batch_layout():
 
 def test_accuracy_and_fingerprints():
   a, b = _sample([1], [5, 6], correct=1.0), _sample([1], [5, 7], correct=0.0)
-  assert S.accuracy([a, b, _sample([1], [2])]) == 0.5
-  assert S.accuracy([_sample([1], [2])]) is None
-  assert S.tokens_crc32([a, b]) != S.tokens_crc32([b, a])
-  assert S.tokens_crc32([a, b]) == S.tokens_crc32([_sample([9], [5, 6]), _sample([9], [5, 7])])
-  other = S.prompt_of(Example("u2", "q", "a"), [1])
-  assert S.rows_hash([a.prompt]) != S.rows_hash([other])
-  assert len(S.rows_hash([a.prompt, other])) == 12
+  assert S.accuracy([a.correct, b.correct, _sample([1], [2]).correct]) == 0.5
+  assert S.accuracy([_sample([1], [2]).correct]) is None
+  assert S.tokens_crc32([a.tokens, b.tokens]) != S.tokens_crc32([b.tokens, a.tokens])
+  assert S.tokens_crc32([a.tokens, b.tokens]) == S.tokens_crc32([np.array([5, 6]),
+                                                                 np.array([5, 7])])
+  assert S.rows_hash(["u1"]) != S.rows_hash(["u2"])
+  assert len(S.rows_hash(["u1", "u2"])) == 12
+
+
+def test_group_record_round_trips_through_json():
+  import json
+  group = [_sample([1, 2], [5, 6], reward=1.0, correct=1.0), _sample([1, 2], [7], reward=0.5)]
+  r = S.GroupRecord.of(group)
+  assert (r.uid, r.key, r.epoch) == ("u1", group[0].prompt.key, 0)
+  assert r.rewards == [1.0, 0.5] and r.correct == [1.0, None] and r.finish == ["stop", "stop"]
+  back = S.GroupRecord.from_json(json.loads(json.dumps(r.to_json())))
+  assert [x.tolist() for x in back.responses] == [[5, 6], [7]]
+  assert back.responses[0].dtype == np.int32
+  assert (back.uid, back.key, back.rewards, back.correct) == (r.uid, r.key, r.rewards, r.correct)
+
+
+def test_pack_batch_min_tokens_picks_a_longer_bucket():
+  groups = [[_sample([1, 2, 3], [7, 8])]]
+  assert S.batch_tokens(groups) == 5 and S.batch_tokens([]) == 1
+  assert S.pack_batch(groups, np.ones(1), 2, (4, 8, 16))["tokens"].shape == (2, 8)
+  assert S.pack_batch(groups, np.ones(1), 2, (4, 8, 16), min_tokens=9)["tokens"].shape == (2, 16)
+  empty = S.pack_batch([], np.zeros(0), 2, (4, 8, 16), min_tokens=9)  # a host that kept none
+  assert empty["tokens"].shape == (2, 16) and not empty["mask"].any()

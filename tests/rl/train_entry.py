@@ -34,8 +34,14 @@ def register_test_reward() -> None:
     return score
 
 
-def write_tiny_llama(directory: str, seed: int = 0) -> str:
-  """A random 1-layer Llama with SmolLM2's vocabulary size as an HF safetensors directory."""
+def write_tiny_llama(directory: str, seed: int = 0, eos_boost: float = 0.0) -> str:
+  """A random 1-layer Llama with SmolLM2's vocabulary size as an HF safetensors directory.
+
+  `eos_boost` > 0 makes SmolLM2's end of turn (token 2) likely at every position, so responses
+  end early and at random lengths: every embedding row gets a shared component along one axis,
+  which dominates the normed last hidden state, and token 2's row `eos_boost` more of it (its
+  logit leads by ~4 * eos_boost; 2.5 gives it ~30% at temperature 1).
+  """
   import json
 
   import numpy as np
@@ -50,7 +56,11 @@ def write_tiny_llama(directory: str, seed: int = 0) -> str:
   kv = c["num_key_value_heads"] * c["head_dim"]
   w = lambda *s: (rng.standard_normal(s) * 0.02).astype(np.float32)
   ones = lambda n: np.ones(n, np.float32)
-  tensors = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": ones(d)}
+  embed = w(v, d)
+  if eos_boost:
+    embed[:, 0] += 1.0
+    embed[2, 0] += eos_boost
+  tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": ones(d)}
   for i in range(c["num_hidden_layers"]):
     p = f"model.layers.{i}."
     tensors.update({

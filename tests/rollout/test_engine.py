@@ -274,3 +274,5 @@ def test_bad_engine_config_is_named():
     EngineConfig(max_draft=40)
   with pytest.raises(ValueError, match=r"speculate='maybe'"):
     EngineConfig(speculate="maybe")
+  with pytest.raises(ValueError, match=r"attention='triton': expected one of \('xla'"):
+    EngineConfig(attention="triton")

@@ -1,0 +1,87 @@
+"""rl/memory.py: the start-up estimate against XLA's memory analysis of the compiled steps,
+and the refusal of a config that cannot fit."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from rhyme_jax import parallel
+from rhyme_jax.config import ConfigError, parse_flags
+from rhyme_jax.models.config import ModelConfig
+from rhyme_jax.models.transformer import init_model
+from rhyme_jax.rl import memory
+from rhyme_jax.rl.learner import Learner
+from rhyme_jax.rl.rollouts import engine_config
+from rhyme_jax.rl.samples import length_buckets
+from rhyme_jax.rollout import accept
+from rhyme_jax.rollout.engine import RolloutEngine
+
+# Small, but with the proportions of a real run: parameters and optimiser state dominate.
+CFG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
+                  num_heads=4, num_kv_heads=2, head_dim=32)
+FLAGS = ["--run_dir=unused", "--group_size=4", "--prompts_per_step=2", "--max_prompt_len=32",
+         "--max_new_tokens=32", "--micro_batch_size=4", "--spec=none"]
+
+
+def _setup(*extra):
+  config = parse_flags(FLAGS + list(extra))
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  return config, mesh, memory.estimate(config, CFG, mesh)
+
+
+def test_train_step_estimate_within_10_percent_of_compiled():
+  config, mesh, est = _setup()
+  learner = Learner(config, init_model(CFG, 0), mesh, CFG)
+  b, t = config.rl.samples_per_step, length_buckets(64)[-1]
+  batch = parallel.shard_batch(dict(tokens=np.zeros((b, t), np.int32),
+                                    targets=np.zeros((b, t), np.int32),
+                                    adv=np.zeros((b,), np.float32),
+                                    mask=np.ones((b, t), np.float32)), mesh)
+  ma = learner._update.lower(learner.params, learner.opt_state, batch).compile(
+      ).memory_analysis()
+  # Parameters and Adam moments are the compiled step's (donated) arguments: exact.
+  assert abs((est.params + est.opt_state) / ma.argument_size_in_bytes - 1) < 0.01
+  # The whole step: arguments plus XLA's temporaries (outputs alias the donated arguments).
+  compiled = ma.argument_size_in_bytes + ma.temp_size_in_bytes
+  estimated = est.params + est.opt_state + est.grads + est.activations
+  assert abs(estimated / compiled - 1) < 0.10, (estimated, compiled)
+
+
+def test_rollout_step_estimate_within_10_percent_of_compiled():
+  config, mesh, est = _setup()
+  eng_cfg = engine_config(config, (), drafting=False)
+  engine = RolloutEngine(init_model(CFG, 0), eng_cfg, None)
+  bucket = max(eng_cfg.buckets)
+  assert (est.kv_bucket, est.kv_positions) == (bucket, eng_cfg.cache_len)
+  state = engine._new_state(bucket)
+  trees = accept.pack([None] * bucket, [True] * bucket, bucket)
+  s = eng_cfg.kv_lengths()[-1]
+  ma = engine._verify_fn.lower(engine._leaves, state, trees, engine._seed, filters=False,
+                               max_kv_len=s, max_q_len=1, attention_impl=engine.attention_impl
+                               ).compile().memory_analysis()
+  # Arguments: the parameters and the cache (plus a few per-row scalars).
+  assert abs((est.params + est.kv_cache) / ma.argument_size_in_bytes - 1) < 0.10
+
+
+def test_oversized_config_refused_naming_the_parts():
+  config, mesh, est = _setup("--device_memory_gib=0.01")  # 10 MiB: the Adam moments alone
+  with pytest.raises(ConfigError) as e:
+    memory.check_fits(config, CFG, mesh)
+  msg = str(e.value)
+  assert "--device_memory_gib" in msg and "optimiser state" in msg and "KV cache" in msg
+  assert "\n" not in msg
+  config, mesh, _ = _setup("--device_memory_gib=1")
+  assert memory.check_fits(config, CFG, mesh).total == est.total
+
+
+def test_sharding_divides_the_estimate():
+  """On an fsdp mesh each device holds a share of the parameters and moments (an abstract
+  mesh: the estimate needs no devices, so a pod's plan can be checked from a laptop)."""
+  config = parse_flags(FLAGS)
+  one = memory.estimate(config, CFG, parallel.make_mesh(devices=jax.devices()[:1]))
+  fsdp = jax.sharding.AbstractMesh((1, 4, 1), ("data", "fsdp", "tensor"))
+  four = memory.estimate(config, CFG, fsdp)
+  assert four.params < 0.4 * one.params and four.opt_state < 0.4 * one.opt_state
+  assert four.activations == one.activations  # rows are not divided (errs high)
