@@ -28,6 +28,7 @@ from absl import flags
 # checked against it by tests/test_config.py::test_choice_lists_match_their_sources.
 SPECS = ("histospec", "none")
 DRAFT_MODES = ("sync", "ahead", "ahead_only")  # rollout.interface.DRAFT_MODES
+SPECULATE = ("auto", "always")  # of rollout.interface.SPECULATE ("never" is --spec=none)
 # Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
 # (CPU tests). The one source: models.attention and the engine config import it.
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
@@ -46,7 +47,7 @@ TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # sampled.
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
-                     "rollout.attention", "rollout.schedule", "distributed")
+                     "rollout.attention", "rollout.schedule", "rollout.speculate", "distributed")
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,7 @@ class RolloutOptions:
   spec: str  # 'histospec' drafts from the previous epoch and live siblings; 'none' does not
   draft_budget: int  # most draft nodes verified per request per step (EngineConfig.max_draft)
   draft_mode: str  # where host drafting runs: sync | ahead | ahead_only (EngineConfig)
+  speculate: str  # auto (the cost model decides each step) | always (EngineConfig.speculate)
   prefill_chunk: int
   attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
   schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
@@ -177,6 +179,11 @@ _FLAGS = {
         ("draft_budget", 16, "Most draft nodes verified per request per decoding step (< 32); "
          "the engine's cost model decides each step how many, and whether to speculate at "
          "all."),
+        ("speculate", "auto", "With --spec=histospec: 'auto' (the engine's cost model "
+         "chooses each step between a plain step and speculative shapes: never slower than "
+         "--spec=none beyond noise) or 'always' (every decode step verifies the largest "
+         "speculative shape, drafts or not: acceptance measured at every step, e.g. "
+         "bench/acceptance_epochs.py; slower where speculation cannot pay)."),
         ("draft_mode", "sync", "Where host drafting runs: 'sync' (before each step, the "
          "device waits), 'ahead' (in a background thread while the device verifies the previous "
          "step; synchronously only where the emitted tokens left that tree) or 'ahead_only' "
@@ -346,6 +353,7 @@ def validate(c: Config) -> None:
   if not 1 <= r.draft_budget < 32:
     raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
+  _one_of("speculate", r.speculate, SPECULATE)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
   _one_of("attention", r.attention, ATTENTIONS)
   _one_of("schedule", r.schedule, SCHEDULES)

@@ -120,6 +120,7 @@ def test_draft_modes_match_the_engine():
   from rhyme_jax import config as config_lib
   from rhyme_jax.rollout import engine
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
+  assert set(config_lib.SPECULATE) == set(engine.SPECULATE) - {"never"}
 
 
 def test_attention_flag_reaches_the_engine_config():
@@ -134,6 +135,20 @@ def test_attention_flag_reaches_the_engine_config():
   c = parse_flags(["--run_dir=r", "--attention=pallas"])
   assert engine_config(c, eos_ids=(2,), drafting=True).attention == "pallas"
   assert "rollout.attention" in config_lib.RESUMABLE_CHANGES  # same math, another kernel
+
+
+def test_speculate_flag_reaches_the_engine_config():
+  """--speculate=always forces speculative steps (acceptance at every step); --spec=none means
+  plain steps whatever --speculate says; switching it on resume changes no sampled token."""
+  from rhyme_jax import config as config_lib
+  from rhyme_jax.rl.rollouts import engine_config
+  assert parse_flags(["--run_dir=r"]).rollout.speculate == "auto"
+  c = parse_flags(["--run_dir=r", "--speculate=always"])
+  assert engine_config(c, eos_ids=(2,), drafting=True).speculate == "always"
+  assert engine_config(c, eos_ids=(2,), drafting=False).speculate == "never"
+  with pytest.raises(ConfigError, match="--speculate"):
+    parse_flags(["--run_dir=r", "--speculate=never"])
+  assert "rollout.speculate" in config_lib.RESUMABLE_CHANGES
 
 
 def test_choice_lists_match_their_sources():

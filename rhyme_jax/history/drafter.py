@@ -93,6 +93,8 @@ class HistoryDrafter:
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
     self.response_capacity = response_capacity
     self.compiled = compiled  # False: the readable reference (match_tree), query by query
+    if compiled:
+      fast_draft.warmup()  # compiled (or loaded) now, not in the first rollout step
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
     self.arena = fast_draft.Arena()
     self.postings = fast_draft.Postings()  # of the past responses (static): no scan
@@ -186,63 +188,75 @@ class HistoryDrafter:
   # --- drafting -----------------------------------------------------------------------------
 
   def _draft_batch(self, queries: Sequence[DraftQuery], budgets: list[int]) -> list[DraftTree]:
-    own, parts, counts, plo, phi = [], [], [], [], []
+    """Every query's tree in one compiled call (the per-query Python here is the host cost the
+    engine pays per request and step, so it is kept to look-ups and one tuple)."""
+    reqs, groups = self._requests, self._groups
     version = self.store.version if self.use_history else None
-    for q in queries:
-      req = self._request(q.request_id, q.group_id, q.response)
-      own.append(req.seg)
+    siblings = self.use_siblings
+    rows = []  # per query: fast_draft.Q_* columns
+    seg_parts, seg_at, n_segs = [], {}, 0  # each group's segments once per batch
+    for q, budget in zip(queries, budgets):
+      req = reqs.get(q.request_id)
+      if req is None or req.length < len(q.response):
+        if req is None:  # a sibling joins: its group's segment list changes
+          seg_at.pop(q.group_id, None)
+        req = self._request(q.request_id, q.group_id, q.response)
+      plo = phi = 0
       if version is not None:
-        if req.key is None:
-          req.key = store_key(q.prompt_key)
-        v = version(req.key)
-        if v != req.history[0] or v is None:
-          req.history = (v, *self._history_range(req.key))
-        plo.append(req.history[1])
-        phi.append(req.history[2])
-      else:
-        plo.append(0)
-        phi.append(0)
-      n = 0
-      if self.use_siblings:
-        group = self._groups[req.group_id]
-        if group.array is None:
-          group.array = np.array(group.segs, np.int64)
-        parts.append(group.array)
-        n += len(group.array)
-      counts.append(n)
+        key = req.key
+        if key is None:
+          key = req.key = store_key(q.prompt_key)
+        v = version(key)
+        h = req.history
+        if v != h[0] or v is None:
+          h = req.history = (v, *self._history_range(key))
+        plo, phi = h[1], h[2]
+      slo = shi = 0
+      if siblings:
+        at = seg_at.get(req.group_id)
+        if at is None:
+          group = groups[req.group_id]
+          if group.array is None:
+            group.array = np.array(group.segs, np.int64)
+          at = seg_at[req.group_id] = (n_segs, n_segs + len(group.array))
+          seg_parts.append(group.array)
+          n_segs = at[1]
+        slo, shi = at
+      rows.append((req.seg, slo, shi, budget, plo, phi))
+    n = len(rows)
+    info = np.array(rows, np.int64).reshape(n, 6)
+    q_segs = np.concatenate(seg_parts) if seg_parts else _NO_SEGS
     if not self.compiled:
-      return self._draft_reference(queries, budgets, own, parts)
-    q_segs = np.concatenate(parts) if parts else _NO_SEGS
-    q_ptr = np.zeros(len(queries) + 1, np.int64)
-    np.cumsum(counts, out=q_ptr[1:])
+      return self._draft_reference(queries, info, q_segs)
     width = max(max(budgets, default=0), 1)
-    out_tok = np.zeros((len(queries), width), np.int32)
-    out_par = np.zeros((len(queries), width), np.int32)
-    out_prob = np.zeros((len(queries), width), np.float32)
-    out_n = np.zeros(len(queries), np.int64)
+    out_tok = np.empty((n, width), np.int32)
+    out_par = np.empty((n, width), np.int32)
+    out_prob = np.empty((n, width), np.float32)
+    out_n = np.empty(n, np.int64)
     a = self.arena
-    fast_draft.draft_batch(a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind,
-                           np.array(own, np.int64), q_ptr, q_segs, np.array(budgets, np.int64),
-                           self.max_match, self.min_prob, self.fallback_decay, self.max_levels,
-                           self.history_weight, self.sibling_weight, out_tok, out_par, out_prob,
-                           out_n, self.postings.tok, self.postings.seg, self.postings.pos,
-                           np.array(plo, np.int64), np.array(phi, np.int64))
+    fast_draft.draft_batch(a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind, info,
+                           q_segs, self.max_match, self.min_prob, self.fallback_decay,
+                           self.max_levels, self.history_weight, self.sibling_weight, out_tok,
+                           out_par, out_prob, out_n, self.postings.tok, self.postings.seg,
+                           self.postings.pos)
+    sizes = out_n.tolist()
+    self._drafted_nodes = sum(sizes)
+    # Flat views: a 1-D slice is cheaper than a row-and-slice of the 2-D outputs.
+    tok, par, prob = out_tok.reshape(-1), out_par.reshape(-1), out_prob.reshape(-1)
     ones = np.ones(width, bool)
-    self._drafted_nodes = int(out_n.sum())
-    return [DraftTree(out_tok[i, :n], out_par[i, :n], ones[:n], out_prob[i, :n])
-            for i, n in enumerate(out_n.tolist())]
+    return [DraftTree(tok[o:o + k], par[o:o + k], ones[:k], prob[o:o + k], True)
+            for o, k in zip(range(0, n * width, width), sizes)]
 
-  def _draft_reference(self, queries, budgets, own, parts) -> list[DraftTree]:
+  def _draft_reference(self, queries, info, q_segs) -> list[DraftTree]:
     """The same trees from `match_tree.draft_reference` (slow; for tests and comparisons)."""
     a, out, nodes = self.arena, [], 0
-    parts = iter(parts)
-    for q, budget, seg in zip(queries, budgets, own):
+    for q, (seg, slo, shi, budget, _, _) in zip(queries, info.tolist()):
       req = self._requests[q.request_id]
       segs = []
       if self.use_history and req.key in self._history:
         segs += self._history[req.key][1].tolist()
       if self.use_siblings:
-        segs += next(parts).tolist()
+        segs += q_segs[slo:shi].tolist()
       view = [(a.segment(s), int(a.seg_kind[s]), float(a.seg_weight[s])) for s in segs]
       tokens, parents, probs = match_tree.draft_reference(
           view, a.segment(seg)[-self.max_match:], budget, min_prob=self.min_prob,

@@ -3,8 +3,9 @@
 Every indexed segment lives in one persistent int32 *arena* (`Arena`): past responses are
 written once per prompt, live responses grow in place as the engine reports tokens, so a step
 copies nothing. `draft_batch` then drafts every live request of the step in one compiled call:
-per query, the segments to search (CSR `q_ptr` / `q_segs`), the query's own segment (its
-context is that segment's tail) and its budget. Trees come back in fixed-size output arrays,
+per query (a row of `q_info`), the query's own segment (its context is that segment's tail),
+the segments to scan (a range of `q_segs`: its group's, shared by the siblings of one batch),
+its budget and its postings range. Trees come back in fixed-size output arrays,
 `n` valid nodes per row, best first. `tests/history/test_fast_draft.py` checks it builds the
 trees of `match_tree.draft_reference` on random histories and queries.
 
@@ -401,22 +402,28 @@ def _draft_one(arena, seg_start, seg_len, seg_w, seg_kind, segs, ctx, budget, mi
   return n_out
 
 
-@_jit
-def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs, q_budget,
-                max_match, min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob,
-                out_n, post_tok, post_seg, post_pos, q_plo, q_phi):
-  """Drafts every query: rows of out_tok / out_par / out_prob get out_n[q] nodes, best first.
+# Columns of `draft_batch`'s per-query table: its own segment (the context is that segment's
+# tail), its scanned segments `q_segs[lo:hi]`, its budget, its postings range [lo, hi).
+Q_OWN, Q_SEG_LO, Q_SEG_HI, Q_BUDGET, Q_POST_LO, Q_POST_HI = range(6)
 
-  Query q searches the postings entries [q_plo[q], q_phi[q]) (its static segments) and then
-  scans segments q_segs[q_ptr[q]:q_ptr[q + 1]] (growing ones); its context is the tail of
-  segment q_own[q].
+
+@_jit
+def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_match,
+                min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob, out_n,
+                post_tok, post_seg, post_pos):
+  """Drafts every query (row of `q_info`, columns Q_*): rows of out_tok / out_par / out_prob get
+  out_n[q] nodes, best first.
+
+  Query q searches the postings entries [Q_POST_LO, Q_POST_HI) (its static segments) and then
+  scans segments q_segs[Q_SEG_LO:Q_SEG_HI] (growing ones); its context is the tail of segment
+  Q_OWN.
   """
   longest = 1  # scratch sized for the largest query of the batch, allocated once
-  for q in range(len(q_own)):
-    n = q_phi[q] - q_plo[q]
-    for s in q_segs[q_ptr[q]:q_ptr[q + 1]]:
+  for q in range(q_info.shape[0]):
+    n = q_info[q, Q_POST_HI] - q_info[q, Q_POST_LO]
+    for s in q_segs[q_info[q, Q_SEG_LO]:q_info[q, Q_SEG_HI]]:
       n += seg_len[s]
-    longest = max(longest, n, q_budget[q] * q_budget[q] + 1)
+    longest = max(longest, n, q_info[q, Q_BUDGET] * q_info[q, Q_BUDGET] + 1)
   iw = np.empty((15, longest), np.int64)
   fw = np.empty((7, longest), np.float64)
   size = 16
@@ -429,14 +436,37 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_own, q_ptr, q_segs
   scale = np.empty((2, max_match + 1), np.float64)
   acc = np.empty(max_match + 1, np.float64)
   included = np.empty(max_match + 1, np.bool_)
-  for q in range(len(q_own)):
-    own = q_own[q]
+  for q in range(q_info.shape[0]):
+    own = q_info[q, Q_OWN]
     a = seg_start[own]
     n = seg_len[own]
     c0 = max(n - max_match, 0)
     ctx = arena[a + c0:a + n]
     out_n[q] = _draft_one(arena, seg_start, seg_len, seg_w, seg_kind,
-                          q_segs[q_ptr[q]:q_ptr[q + 1]], ctx, q_budget[q], min_prob, decay,
-                          max_levels, kw0, kw1, out_tok[q], out_par[q], out_prob[q], iw, fw,
-                          table, lvl_w, lvl_first, lvl_branch, scale, acc, included,
-                          post_tok, post_seg, post_pos, q_plo[q], q_phi[q])
+                          q_segs[q_info[q, Q_SEG_LO]:q_info[q, Q_SEG_HI]], ctx,
+                          q_info[q, Q_BUDGET], min_prob, decay, max_levels, kw0, kw1,
+                          out_tok[q], out_par[q], out_prob[q], iw, fw, table, lvl_w, lvl_first,
+                          lvl_branch, scale, acc, included, post_tok, post_seg, post_pos,
+                          q_info[q, Q_POST_LO], q_info[q, Q_POST_HI])
+
+
+_WARM = False
+
+
+def warmup() -> None:
+  """Compiles (or loads from numba's cache) `draft_batch` for the drafter's argument types,
+  once per process: called when a compiled `HistoryDrafter` is built, so the first rollout
+  step does not pay for it (nothing compiles inside a rollout)."""
+  global _WARM
+  if _WARM or not HAVE_NUMBA:
+    return
+  arena = Arena(capacity=16)
+  own = arena.add(np.array([1, 2, 1], np.int32), 1, 1.0)
+  postings = Postings()
+  lo, hi = postings.range(postings.add(arena, np.array([own], np.int64)))
+  out = [np.empty((1, 2), t) for t in (np.int32, np.int32, np.float32)]
+  draft_batch(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight, arena.seg_kind,
+              np.array([[own, 0, 1, 2, lo, hi]], np.int64), np.array([own], np.int64), 8, 0.02,
+              0.5, 4, 1.0, 1.0, *out, np.empty(1, np.int64), postings.tok, postings.seg,
+              postings.pos)
+  _WARM = True

@@ -33,8 +33,8 @@ from rhyme_jax.scheduling.predictor import LengthPredictor, StoreLengths
 from rhyme_jax.scheduling.simulate import tail_time
 
 # Engine counters summed over a step's rollout rounds.
-_ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "draft_time_s", "lookahead_time_s",
-                    "ahead_hits", "ahead_misses")
+_ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "drafted", "accepted",
+                    "draft_time_s", "lookahead_time_s", "ahead_hits", "ahead_misses")
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
@@ -46,6 +46,7 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
   return EngineConfig(
       max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens, buckets=tuple(buckets),
       max_draft=c.rollout.draft_budget if drafting else 0,
+      speculate=c.rollout.speculate if drafting else "never",
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
       attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed)
 

@@ -8,6 +8,7 @@
                       `--schedule` order, scheduling/), scored
   rewards/scoring.py  decoded responses -> reward, correctness, DAPO overlong penalty
   learner.py          advantages, old / reference log-probs, `ppo_epochs` jitted updates
+  epoch_stats.py      acceptance, reward and length per data epoch (`epoch/*` metrics)
 
   hosts.py            what hosts exchange at a step boundary (multi-host design:
                       rhyme_jax.multihost)
@@ -54,6 +55,7 @@ from rhyme_jax.models.loading import ModelError, load_model, read_model_config
 from rhyme_jax.models.sharding import param_shardings
 from rhyme_jax.models.tokenizer import load_tokenizer
 from rhyme_jax.rl import hosts, memory
+from rhyme_jax.rl.epoch_stats import EpochStats
 from rhyme_jax.rl.learner import Learner
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.registry import RewardFn
@@ -201,6 +203,7 @@ class Trainer:
     self.step = 0
     self.data_iter = iter(self.pipeline)
     self._stop_signal = None
+    self.epoch_stats = EpochStats()
     self._restore()
 
   def _rollout_policy(self):
@@ -232,6 +235,7 @@ class Trainer:
     store = self.rollouts.store
     if store is not None and host.get("history") is not None:
       store.load_state_dict(host["history"])
+    self.epoch_stats.load_state_dict(host.get("epoch_stats"))
     self.rollouts.engine.update_params(self._rollout_policy())
     print(f"resumed from {self.checkpointer.directory} at step {self.step}", file=sys.stderr)
 
@@ -241,7 +245,8 @@ class Trainer:
     store = self.rollouts.store  # the same on every host (hosts.py): process 0's is saved
     host = {"data_iter": hosts.data_states(self.data_iter.get_state()),
             "rng": {"seed": self.config.run.seed},
-            "history": store.state_dict() if store is not None else None}
+            "history": store.state_dict() if store is not None else None,
+            "epoch_stats": self.epoch_stats.state_dict()}
     self.checkpointer.save(self.step, params=self.learner.params,
                            opt_state=self.learner.opt_state, host_state=host, force=force)
 
@@ -270,6 +275,9 @@ class Trainer:
     self.rollouts.record(shared.records)
     m = rollout_metrics(shared.records, shared.kept, shared.stats,
                         c.rl.prompts_per_step * self.process_count)
+    m.update(self.epoch_stats.update(
+        m["data/epoch"], shared.stats, [x for g in shared.records for x in g.rewards],
+        [len(r) for g in shared.records for r in g.responses]))
     if shared.kept:  # every process trains (with its kept groups, maybe none) or none does
       m.update(self.learner.train_on(kept))
       self.rollouts.engine.update_params(self._rollout_policy())

@@ -3,9 +3,12 @@
 Step times per shape (bucket B, packed size P, tokens per row T, cache bucket S) are measured
 at warm-up and refined online with an exponential moving average of whole loop iterations
 (device, host sync, drafting and bookkeeping: what a step really costs the rollout). Each
-request's acceptance rate is estimated from its own history with a prior from all requests. A
-step then verifies the nodes, and picks the shape, with the most expected tokens per second;
-when no shape beats the plain step, the step is plain.
+request's acceptance rate is estimated from its own history with a prior from all requests.
+A drafter's path probabilities are calibrated the same way: counts of past epochs and of
+siblings are confident (a path all siblings took gets probability 1) but sampling often leaves
+them, so each request's accepted nodes over the probabilities it was offered (own history over a
+prior from all requests) scales them. A step then verifies the nodes, and picks the shape, with
+the most expected tokens per second; when no shape beats the plain step, the step is plain.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class CostModel:
     self.seconds: dict[Shape, float] = {}
     self._acc: dict[Hashable, _Acceptance] = {}
     self._global = _Acceptance(1.0, 2.0)  # prior alpha 0.5 until something is observed
+    # Calibration of drafter probabilities: accepted nodes over the sum of the (uncalibrated)
+    # probabilities of the nodes verified; `tried` holds that sum here.
+    self._cal: dict[Hashable, _Acceptance] = {}
+    self._global_cal = _Acceptance(1.0, 2.0)  # prior 0.5 until something is observed
 
   # ---- step times --------------------------------------------------------------------------
 
@@ -43,12 +50,14 @@ class CostModel:
         (1 - self.ema) * old + self.ema * seconds)
 
   def time(self, shape: Shape) -> float:
-    """Seconds per step of `shape`, never below a measured shape of the same bucket that
-    computes no more (fewer positions, no longer cache): noise must not make a bigger step look
-    cheaper. Unmeasured shapes scale the nearest measured one by P."""
+    """Seconds per step of `shape`, never below a measured shape of the same bucket and cache
+    length that computes no more (fewer positions): noise must not make a bigger step look
+    cheaper. Only shapes of one cache length compete in a step, so no other length's
+    measurement (a short cache's steps follow prefills, say) may lift them. Unmeasured shapes
+    scale the nearest measured one by P."""
     own = self._time(shape)
     smaller = [self._time(s) for s in self.seconds
-               if s[0] == shape[0] and s[1] <= shape[1] and s[2] <= shape[2] and s[3] <= shape[3]]
+               if s[0] == shape[0] and s[3] == shape[3] and s[1] <= shape[1] and s[2] <= shape[2]]
     return max([own] + smaller)
 
   def _time(self, shape: Shape) -> float:
@@ -69,25 +78,42 @@ class CostModel:
     k = self.prior_strength
     return float(np.clip((a.accepted + k * g) / (a.tried + k), 0.0, 0.99))
 
-  def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int) -> None:
+  def calibration(self, request_id: Hashable) -> float:
+    """Accepted nodes per unit of drafter probability offered: the request's own over a prior
+    of all requests (1.0 = the drafter's probabilities are right)."""
+    g = self._global_cal.accepted / max(self._global_cal.tried, 1e-9)
+    a = self._cal.get(request_id, _Acceptance())
+    k = self.prior_strength
+    return float(np.clip((a.accepted + k * g) / (a.tried + k), 0.0, 1.0))
+
+  def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int,
+                         offered: float | None = None) -> None:
     """After a step that asked for a draft: `depth` of the verified tree (0 when the drafter
-    had nothing, which counts as one failed level), `accepted` draft nodes."""
+    had nothing, which counts as one failed level), `accepted` draft nodes, and `offered`, the
+    sum of the drafter's probabilities of the verified nodes (None: it gave none)."""
     tried = accepted + (1 if accepted < depth or depth <= 0 else 0)
     a = self._acc.setdefault(request_id, _Acceptance())
     a.accepted += accepted
     a.tried += tried
     self._global.accepted = 0.99 * self._global.accepted + accepted
     self._global.tried = 0.99 * self._global.tried + tried
+    if offered is not None and offered > 0:
+      c = self._cal.setdefault(request_id, _Acceptance())
+      c.accepted += accepted
+      c.tried += offered
+      self._global_cal.accepted = 0.99 * self._global_cal.accepted + accepted
+      self._global_cal.tried = 0.99 * self._global_cal.tried + offered
 
   def forget(self, request_id: Hashable) -> None:
     self._acc.pop(request_id, None)
+    self._cal.pop(request_id, None)
 
   def node_values(self, request_id: Hashable, depth: np.ndarray,
                   probs: np.ndarray | None) -> np.ndarray:
-    """Expected accepted tokens each node adds: the drafter's path probability when given,
-    else alpha ** depth."""
+    """Expected accepted tokens each node adds: the drafter's path probability scaled by the
+    request's calibration when given, else alpha ** depth."""
     if probs is not None and len(probs) == len(depth):
-      return np.clip(probs.astype(np.float64), 0.0, 1.0)
+      return np.clip(probs.astype(np.float64) * self.calibration(request_id), 0.0, 1.0)
     return self.alpha(request_id) ** depth.astype(np.float64)
 
   # ---- the choice --------------------------------------------------------------------------

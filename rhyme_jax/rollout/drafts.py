@@ -24,6 +24,10 @@ class DraftTree:
   parents: np.ndarray  # int32[T], -1 = child of the root
   valid: np.ndarray  # bool[T] (all True in an unpadded tree)
   probs: np.ndarray | None = None  # float32[T] P(node's path accepted), best-first
+  # True when the drafter guarantees the tree is already as `cleaned` leaves it (every node
+  # valid, parents before children, no two siblings with one token, best-first): `cleaned` is
+  # then a slice, not a walk over the nodes. Only drafters that build trees that way set it.
+  clean: bool = False
 
   @classmethod
   def of(cls, tokens: Sequence[int], parents: Sequence[int],
@@ -37,6 +41,9 @@ class DraftTree:
     """(tokens, parents, probs) of the first valid nodes, at most `max_nodes`, renumbered:
     invalid nodes, their subtrees and siblings repeating an earlier sibling's token (which the
     accept rule would never follow) are dropped. What the engine packs."""
+    if self.clean:
+      n = min(max_nodes, len(self.tokens))
+      return self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n]
     keep = {-1: -1}
     seen = set()
     out_t, out_p, out_q = [], [], []

@@ -18,12 +18,11 @@ def draft(arena, own, segs, budget, *, max_match, min_prob, decay, max_levels, k
   postings = postings or fast_draft.Postings()
   lo, hi = postings.range(postings.add(arena, np.array(segs[:static], np.int64)))
   scanned = segs[static:]
+  info = np.array([[own, 0, len(scanned), budget, lo, hi]], np.int64)
   fast_draft.draft_batch(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight,
-                         arena.seg_kind, np.array([own], np.int64),
-                         np.array([0, len(scanned)], np.int64), np.array(scanned, np.int64),
-                         np.array([budget], np.int64), max_match, min_prob, decay, max_levels,
-                         kind_weights[0], kind_weights[1], *out, n, postings.tok, postings.seg,
-                         postings.pos, np.array([lo]), np.array([hi]))
+                         arena.seg_kind, info, np.array(scanned, np.int64), max_match, min_prob,
+                         decay, max_levels, kind_weights[0], kind_weights[1], *out, n,
+                         postings.tok, postings.seg, postings.pos)
   return tuple(o[0, :n[0]] for o in out)
 
 
@@ -60,6 +59,8 @@ def test_compiled_equals_reference(segs, own_tokens, own_searched, budget, max_m
   assert np.all(parents < np.arange(len(parents))) and np.all(parents >= -1)
   assert np.all(np.diff(probs) <= 0) and np.all(probs >= min_prob) and np.all(probs <= 1)
   assert not np.any(tokens == START)
+  # What HistoryDrafter's `clean` flag promises the engine: no two siblings share a token.
+  assert len(set(zip(parents.tolist(), tokens.tolist()))) == len(tokens)
 
 
 def test_exact_repeat_drafts_the_continuation_with_probability_one():

@@ -56,6 +56,11 @@ def test_unpadded_best_first_trees_with_path_probabilities():
   np.testing.assert_allclose(tree.probs[2:4], [0.5, 0.5])
   assert np.all(np.diff(tree.probs) <= 0)
   assert np.all(tree.parents < np.arange(8))
+  # Flagged clean: the engine's `cleaned` slices it, which is what walking it would give.
+  assert tree.clean
+  for k in (0, 3, 8, 20):
+    for got, want in zip(tree.cleaned(k), dataclasses.replace(tree, clean=False).cleaned(k)):
+      np.testing.assert_array_equal(got, want)
 
 
 def test_falls_back_to_one_token_suffixes():

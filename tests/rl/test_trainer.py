@@ -95,6 +95,15 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
     assert 1.0 <= r["rollout/mean_accepted_length"] <= 1.1
     assert r["seq_len"] == 128
   assert "eval/accuracy" in records[1] and "eval/accuracy" not in records[0]
+  # Both steps are data epoch 0: step 2 reports the epoch so far (equal sample counts).
+  assert [r["epoch/index"] for r in records] == [0, 0]
+  assert records[0]["epoch/reward"] == pytest.approx(records[0]["reward/mean"])
+  assert records[1]["epoch/reward"] == pytest.approx(
+      (records[0]["reward/mean"] + records[1]["reward/mean"]) / 2)
+  assert records[1]["epoch/response_length"] == pytest.approx(
+      (records[0]["response_length/mean"] + records[1]["response_length/mean"]) / 2)
+  lo, hi = sorted(r["rollout/mean_accepted_length"] for r in records)
+  assert lo - 1e-9 <= records[1]["epoch/accepted_length"] <= hi + 1e-9
   # Steps 1 and 2 are different prompts (train_size 6 = 3 steps per epoch).
   assert records[0]["data/batch_hash"] != records[1]["data/batch_hash"]
 
