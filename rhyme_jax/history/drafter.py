@@ -41,6 +41,7 @@ from rhyme_jax.rollout.drafts import DraftQuery, DraftTree
 START = fast_draft.START  # sentinel opening every indexed response (never drafted)
 HISTORY, SIBLING = 0, 1  # segment kinds
 _NO_SEGS = np.zeros(0, np.int64)
+PARALLEL_MIN = 16  # queries per batch from which drafting is split across threads
 
 
 def store_key(key: Hashable) -> Hashable:
@@ -75,7 +76,7 @@ class HistoryDrafter:
                min_prob: float = 0.02, fallback_decay: float = 0.5, max_levels: int = 4,
                recency: float = 0.5, history_weight: float = 1.0, sibling_weight: float = 1.0,
                response_capacity: int = 320, index_cache: int = 512,
-               idle_groups_kept: int = 256, compiled: bool = True):
+               idle_groups_kept: int = 256, compiled: bool = True, parallel: bool = True):
     if max_budget < 1 or max_match < 1 or max_levels < 1:
       raise ValueError(f"HistoryDrafter: max_budget ({max_budget}), max_match ({max_match}) and "
                        f"max_levels ({max_levels}) must be >= 1")
@@ -93,6 +94,10 @@ class HistoryDrafter:
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
     self.response_capacity = response_capacity
     self.compiled = compiled  # False: the readable reference (match_tree), query by query
+    # Batches of at least PARALLEL_MIN queries are split across numba's threads (the host's
+    # cores idle while it drafts on the critical path); the trees are the serial kernel's.
+    self.parallel = parallel
+    self._threads = fast_draft.num_threads()
     if compiled:
       fast_draft.warmup()  # compiled (or loaded) now, not in the first rollout step
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
@@ -234,11 +239,14 @@ class HistoryDrafter:
     out_prob = np.empty((n, width), np.float32)
     out_n = np.empty(n, np.int64)
     a = self.arena
-    fast_draft.draft_batch(a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind, info,
-                           q_segs, self.max_match, self.min_prob, self.fallback_decay,
-                           self.max_levels, self.history_weight, self.sibling_weight, out_tok,
-                           out_par, out_prob, out_n, self.postings.tok, self.postings.seg,
-                           self.postings.pos)
+    args = (a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind, info, q_segs,
+            self.max_match, self.min_prob, self.fallback_decay, self.max_levels,
+            self.history_weight, self.sibling_weight, out_tok, out_par, out_prob, out_n,
+            self.postings.tok, self.postings.seg, self.postings.pos)
+    if self.parallel and n >= PARALLEL_MIN and self._threads > 1:
+      fast_draft.draft_batch_parallel(*args, self._threads)
+    else:
+      fast_draft.draft_batch(*args)
     sizes = out_n.tolist()
     self._drafted_nodes = sum(sizes)
     # Flat views: a 1-D slice is cheaper than a row-and-slice of the 2-D outputs.

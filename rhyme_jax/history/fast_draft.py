@@ -19,9 +19,12 @@ import numpy as np
 try:
   import numba
   _jit = numba.njit(cache=True, nogil=True)
+  _pjit = numba.njit(cache=True, nogil=True, parallel=True)
+  _prange = numba.prange
   HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - exercised only where numba is absent
-  _jit = lambda f: f
+  _jit = _pjit = lambda f: f
+  _prange = range
   HAVE_NUMBA = False
 
 START = -1
@@ -408,18 +411,12 @@ Q_OWN, Q_SEG_LO, Q_SEG_HI, Q_BUDGET, Q_POST_LO, Q_POST_HI = range(6)
 
 
 @_jit
-def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_match,
-                min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob, out_n,
-                post_tok, post_seg, post_pos):
-  """Drafts every query (row of `q_info`, columns Q_*): rows of out_tok / out_par / out_prob get
-  out_n[q] nodes, best first.
-
-  Query q searches the postings entries [Q_POST_LO, Q_POST_HI) (its static segments) and then
-  scans segments q_segs[Q_SEG_LO:Q_SEG_HI] (growing ones); its context is the tail of segment
-  Q_OWN.
-  """
-  longest = 1  # scratch sized for the largest query of the batch, allocated once
-  for q in range(q_info.shape[0]):
+def _draft_range(q0, q1, arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_match,
+                 min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob, out_n,
+                 post_tok, post_seg, post_pos):
+  """Queries q0..q1-1 of `draft_batch`, with scratch space of their own."""
+  longest = 1  # scratch sized for the largest query of the range, allocated once
+  for q in range(q0, q1):
     n = q_info[q, Q_POST_HI] - q_info[q, Q_POST_LO]
     for s in q_segs[q_info[q, Q_SEG_LO]:q_info[q, Q_SEG_HI]]:
       n += seg_len[s]
@@ -436,7 +433,7 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_
   scale = np.empty((2, max_match + 1), np.float64)
   acc = np.empty(max_match + 1, np.float64)
   included = np.empty(max_match + 1, np.bool_)
-  for q in range(q_info.shape[0]):
+  for q in range(q0, q1):
     own = q_info[q, Q_OWN]
     a = seg_start[own]
     n = seg_len[own]
@@ -448,6 +445,42 @@ def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_
                           out_tok[q], out_par[q], out_prob[q], iw, fw, table, lvl_w, lvl_first,
                           lvl_branch, scale, acc, included, post_tok, post_seg, post_pos,
                           q_info[q, Q_POST_LO], q_info[q, Q_POST_HI])
+
+
+@_jit
+def draft_batch(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_match,
+                min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob, out_n,
+                post_tok, post_seg, post_pos):
+  """Drafts every query (row of `q_info`, columns Q_*): rows of out_tok / out_par / out_prob get
+  out_n[q] nodes, best first.
+
+  Query q searches the postings entries [Q_POST_LO, Q_POST_HI) (its static segments) and then
+  scans segments q_segs[Q_SEG_LO:Q_SEG_HI] (growing ones); its context is the tail of segment
+  Q_OWN.
+  """
+  _draft_range(0, q_info.shape[0], arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs,
+               max_match, min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob,
+               out_n, post_tok, post_seg, post_pos)
+
+
+@_pjit
+def draft_batch_parallel(arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_segs, max_match,
+                         min_prob, decay, max_levels, kw0, kw1, out_tok, out_par, out_prob,
+                         out_n, post_tok, post_seg, post_pos, threads):
+  """`draft_batch` with the queries split into `threads` contiguous chunks run by numba's
+  threads (`num_threads()`); queries are independent: each writes its own output row, the
+  arena and postings are only read."""
+  n = q_info.shape[0]
+  chunks = max(min(threads, n), 1)
+  for c in _prange(chunks):
+    _draft_range(c * n // chunks, (c + 1) * n // chunks, arena, seg_start, seg_len, seg_w,
+                 seg_kind, q_info, q_segs, max_match, min_prob, decay, max_levels, kw0, kw1,
+                 out_tok, out_par, out_prob, out_n, post_tok, post_seg, post_pos)
+
+
+def num_threads() -> int:
+  """Threads `draft_batch_parallel` splits a batch across (numba's; NUMBA_NUM_THREADS)."""
+  return numba.get_num_threads() if HAVE_NUMBA else 1
 
 
 _WARM = False
@@ -465,8 +498,8 @@ def warmup() -> None:
   postings = Postings()
   lo, hi = postings.range(postings.add(arena, np.array([own], np.int64)))
   out = [np.empty((1, 2), t) for t in (np.int32, np.int32, np.float32)]
-  draft_batch(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight, arena.seg_kind,
-              np.array([[own, 0, 1, 2, lo, hi]], np.int64), np.array([own], np.int64), 8, 0.02,
-              0.5, 4, 1.0, 1.0, *out, np.empty(1, np.int64), postings.tok, postings.seg,
-              postings.pos)
+  for fn, extra in ((draft_batch, ()), (draft_batch_parallel, (num_threads(),))):
+    fn(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight, arena.seg_kind,
+       np.array([[own, 0, 1, 2, lo, hi]], np.int64), np.array([own], np.int64), 8, 0.02, 0.5, 4,
+       1.0, 1.0, *out, np.empty(1, np.int64), postings.tok, postings.seg, postings.pos, *extra)
   _WARM = True

@@ -120,3 +120,29 @@ def test_postings_survive_frees_and_compaction():
                   for p, t in enumerate(arena.segment(s)[:-1]))
     assert got == want
     assert np.all(np.diff(postings.tok[lo:hi]) >= 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=30), min_size=2, max_size=8),
+       st.integers(1, 40), st.integers(0, 10), st.integers(0, 2**31 - 1))
+def test_parallel_batch_equals_serial(segs, num_queries, budget, seed):
+  """The threaded kernel splits the queries across threads; every tree is the serial one."""
+  rng = np.random.default_rng(seed)
+  arena = fast_draft.Arena(capacity=8)
+  ids = [arena.add(np.array(t, np.int32), int(rng.integers(2)), 1.0) for t in segs]
+  postings = fast_draft.Postings()
+  lo, hi = postings.range(postings.add(arena, np.array(ids[:1], np.int64)))
+  q_segs = np.array(ids[1:], np.int64)
+  info = np.array([[ids[int(rng.integers(len(ids)))], 0, int(rng.integers(len(q_segs) + 1)),
+                    int(rng.integers(budget + 1)), lo, hi] for _ in range(num_queries)], np.int64)
+  outs = []
+  for fn in (fast_draft.draft_batch,
+             lambda *a: fast_draft.draft_batch_parallel(*a, max(fast_draft.num_threads(), 2))):
+    out = [np.full((num_queries, max(budget, 1)), -7, t) for t in (np.int32, np.int32, np.float32)]
+    n = np.full(num_queries, -7, np.int64)
+    fn(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight, arena.seg_kind, info,
+       q_segs, 8, 0.02, 0.5, 4, 1.0, 1.0, *out, n, postings.tok, postings.seg, postings.pos)
+    outs.append((n, [o[q, :k] for o in out for q, k in enumerate(n)]))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  for a, b in zip(outs[0][1], outs[1][1]):
+    np.testing.assert_array_equal(a, b)
