@@ -58,7 +58,7 @@ class _Request:
   seg: int  # its own segment in the arena (START + response so far)
   length: int  # response tokens in it (a Python int: cheaper than reading the arena's)
   key: Hashable = None  # its prompt's history-store key
-  history: tuple = (None, 0, 0)  # (store version, postings lo, hi) last looked up
+  history: tuple = (None, 0, 0)  # (stamp, postings lo, hi) of its last look-up
 
 
 @dataclasses.dataclass
@@ -106,6 +106,10 @@ class HistoryDrafter:
     # prompt key -> (store version, its segments, their postings id)
     self._history: collections.OrderedDict[Hashable, tuple[int, np.ndarray, int]] = (
         collections.OrderedDict())
+    # Bumped whenever a history index is built or freed (postings ranges may move): with the
+    # store's generation, the stamp a request's cached range is valid for.
+    self._index_gen = 0
+    self._in_use: set = set()  # keys of the batch being drafted: never evicted meanwhile
     self._requests: dict[int, _Request] = {}
     self._groups: dict[Hashable, _Group] = {}
     self._idle_groups: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
@@ -154,15 +158,20 @@ class HistoryDrafter:
     segs = np.array([self.arena.add(r, HISTORY, self.recency ** (latest - g.epoch))
                      for g in groups for r in g.responses], np.int64)
     pid = self.postings.add(self.arena, segs)
+    self._index_gen += 1
     self._history[key] = (version, segs, pid)
     while len(self._history) > self.index_cache:
-      self._free_history(next(iter(self._history)))
+      oldest = next(iter(self._history))
+      if oldest in self._in_use:  # more prompts in one batch than the cache holds
+        break
+      self._free_history(oldest)
     self.stats["history_index_builds"] += 1
     self.stats["history_index_seconds"] += time.perf_counter() - t0
     return self.postings.range(pid)
 
   def _free_history(self, key: Hashable) -> None:
     _, segs, pid = self._history.pop(key)
+    self._index_gen += 1
     self.postings.free(pid)
     for s in segs.tolist():
       self.arena.free(s)
@@ -192,29 +201,39 @@ class HistoryDrafter:
 
   # --- drafting -----------------------------------------------------------------------------
 
-  def _draft_batch(self, queries: Sequence[DraftQuery], budgets: list[int]) -> list[DraftTree]:
+  def _draft_batch(self, queries: Sequence[DraftQuery], cap: int) -> list[DraftTree]:
     """Every query's tree in one compiled call (the per-query Python here is the host cost the
     engine pays per request and step, so it is kept to look-ups and one tuple)."""
     reqs, groups = self._requests, self._groups
-    version = self.store.version if self.use_history else None
+    history = self.use_history
+    stamp = (self.store.generation, self._index_gen) if history else None
+    gen0 = self._index_gen
     siblings = self.use_siblings
-    rows = []  # per query: fast_draft.Q_* columns
+    rows, batch = [], []  # per query: fast_draft.Q_* columns; its request state
     seg_parts, seg_at, n_segs = [], {}, 0  # each group's segments once per batch
-    for q, budget in zip(queries, budgets):
+    width = 1
+    for q in queries:
+      budget = q.budget
+      budget = 0 if budget < 0 else (budget if budget < cap else cap)
+      if budget > width:
+        width = budget
       req = reqs.get(q.request_id)
       if req is None or req.length < len(q.response):
         if req is None:  # a sibling joins: its group's segment list changes
           seg_at.pop(q.group_id, None)
         req = self._request(q.request_id, q.group_id, q.response)
+      batch.append(req)
       plo = phi = 0
-      if version is not None:
+      if history:
         key = req.key
         if key is None:
           key = req.key = store_key(q.prompt_key)
-        v = version(key)
+        self._in_use.add(key)
         h = req.history
-        if v != h[0] or v is None:
-          h = req.history = (v, *self._history_range(key))
+        if h[0] != stamp:  # the store or the indexes changed since its last look-up
+          lo, hi = self._history_range(key)
+          stamp = (self.store.generation, self._index_gen)  # (a build bumps it)
+          h = req.history = (stamp, lo, hi)
         plo, phi = h[1], h[2]
       slo = shi = 0
       if siblings:
@@ -228,12 +247,19 @@ class HistoryDrafter:
           n_segs = at[1]
         slo, shi = at
       rows.append((req.seg, slo, shi, budget, plo, phi))
+    if history:
+      self._in_use.clear()
+      if self._index_gen != gen0:  # an index built or freed meanwhile may have moved ranges
+        for r, req in enumerate(batch):
+          cached = self._history.get(req.key)
+          lo, hi = self.postings.range(cached[2]) if cached is not None else (0, 0)
+          req.history = (stamp, lo, hi)
+          rows[r] = rows[r][:4] + (lo, hi)
     n = len(rows)
     info = np.array(rows, np.int64).reshape(n, 6)
     q_segs = np.concatenate(seg_parts) if seg_parts else _NO_SEGS
     if not self.compiled:
       return self._draft_reference(queries, info, q_segs)
-    width = max(max(budgets, default=0), 1)
     out_tok = np.empty((n, width), np.int32)
     out_par = np.empty((n, width), np.int32)
     out_prob = np.empty((n, width), np.float32)
@@ -277,22 +303,23 @@ class HistoryDrafter:
 
   def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
     t0 = time.perf_counter()
-    budgets = [max(min(q.budget, self.max_budget), 0) for q in queries]
-    todo = [i for i, q in enumerate(queries) if q.ahead is None]
-    out: list[DraftTree | None] = [None] * len(queries)
-    if len(todo) < len(queries):  # drafted ahead (best-first): its first `budget` nodes
-      for i, q in enumerate(queries):
+    if all(q.ahead is None for q in queries):
+      out = self._draft_batch(queries, self.max_budget)
+      self.stats["draft_tokens"] += self._drafted_nodes
+      todo = None
+    else:
+      todo = [i for i, q in enumerate(queries) if q.ahead is None]
+      out: list[DraftTree | None] = [None] * len(queries)
+      for i, q in enumerate(queries):  # drafted ahead (best-first): its first `budget` nodes
         if q.ahead is not None:
           self._request(q.request_id, q.group_id, q.response)
-          out[i] = q.ahead.padded(min(budgets[i], len(q.ahead.tokens)))
+          budget = max(min(q.budget, self.max_budget), 0)
+          out[i] = q.ahead.padded(min(budget, len(q.ahead.tokens)))
           self.stats["ahead_used"] += 1
           self.stats["ahead_tokens"] += out[i].size
           self.stats["draft_tokens"] += out[i].size
-    if len(todo) == len(queries):
-      out = self._draft_batch(queries, budgets)
-      self.stats["draft_tokens"] += self._drafted_nodes
-    elif todo:
-      trees = self._draft_batch([queries[i] for i in todo], [budgets[i] for i in todo])
+    if todo:
+      trees = self._draft_batch([queries[i] for i in todo], self.max_budget)
       self.stats["draft_tokens"] += self._drafted_nodes
       for i, tree in zip(todo, trees):
         out[i] = tree
@@ -309,7 +336,7 @@ class HistoryDrafter:
     `observe` read (the requests' segments are synchronised with their responses, a no-op
     when `observe` reported every token)."""
     t0 = time.perf_counter()
-    out = self._draft_batch(queries, [max(q.budget, 0) for q in queries])
+    out = self._draft_batch(queries, 1 << 30)
     self.stats["lookahead_queries"] += len(queries)
     self.stats["lookahead_seconds"] += time.perf_counter() - t0
     return out

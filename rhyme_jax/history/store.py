@@ -13,10 +13,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 from typing import Hashable, Sequence
 
 import numpy as np
+
+# Versions and generations: unique across stores and reloads, so an index cached against one
+# never matches different content.
+_STAMPS = itertools.count(1)
 
 
 def prompt_key(tokens: Sequence[int]) -> str:
@@ -61,7 +66,9 @@ class HistoryStore:
     self._entries: collections.OrderedDict[Hashable, list[EpochGroup]] = (
         collections.OrderedDict())  # oldest use first
     self._versions: dict[Hashable, int] = {}
-    self._version_counter = 0
+    # Changes whenever any key's content does (add, eviction, reload): lets a caller skip
+    # per-key version checks while nothing changed.
+    self.generation = next(_STAMPS)
     self.num_tokens = 0
     self.evictions = 0
 
@@ -99,8 +106,7 @@ class HistoryStore:
     groups = groups[-self.epochs_kept:]
     self._entries[key] = groups
     self.num_tokens += sum(g.num_tokens for g in groups)
-    self._version_counter += 1
-    self._versions[key] = self._version_counter
+    self._versions[key] = self.generation = next(_STAMPS)
     self._evict(keep=key)
 
   def _evict(self, keep: Hashable) -> None:
@@ -110,6 +116,7 @@ class HistoryStore:
         break
       groups = self._entries.pop(old_key)
       self._versions.pop(old_key, None)
+      self.generation = next(_STAMPS)
       self.num_tokens -= sum(g.num_tokens for g in groups)
       self.evictions += 1
 
@@ -202,5 +209,4 @@ class HistoryStore:
         g.rewards = np.append(g.rewards, rewards[j]).astype(np.float32)
       self._entries[key] = [groups[e] for e in sorted(groups)]
       self.num_tokens += sum(g.num_tokens for g in self._entries[key])
-      self._version_counter += 1
-      self._versions[key] = self._version_counter
+      self._versions[key] = self.generation = next(_STAMPS)

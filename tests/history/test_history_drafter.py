@@ -197,3 +197,29 @@ def test_bad_config_is_named():
     HistoryDrafter(HistoryStore(), recency=1.5)
   with pytest.raises(ValueError, match="needs a HistoryStore"):
     HistoryDrafter(None)
+
+
+def test_more_prompts_in_a_batch_than_the_index_cache_all_draft_their_history():
+  """A batch touching more prompts than `index_cache` holds: no index in use is evicted while
+  the batch drafts (its postings range would be stale), every prompt drafts its own history,
+  and the cache shrinks back on the next batch; a reloaded store's content is drafted, not
+  what was cached for the old one."""
+  store = HistoryStore()
+  futures = {f"p{i}": true_response(10 + i, 60) for i in range(6)}
+  for key, fut in futures.items():
+    store.add_group(key, 0, [fut])
+  drafter = HistoryDrafter(store, use_siblings=False, max_budget=8, index_cache=2)
+  for rounds in range(2):
+    qs = [DraftQuery(i, key, key, PROMPT, fut[:5 + rounds], 8)
+          for i, (key, fut) in enumerate(futures.items())]
+    for tree, (key, fut) in zip(drafter.propose(qs), futures.items()):
+      np.testing.assert_array_equal(tree.tokens, fut[5 + rounds:13 + rounds], err_msg=key)
+  reloaded = HistoryStore()
+  other = {key: fut[::-1].copy() for key, fut in futures.items()}
+  for key, fut in other.items():
+    reloaded.add_group(key, 0, [fut])
+  store.load_state_dict(reloaded.state_dict())
+  qs = [DraftQuery(100 + i, key, key, PROMPT, fut[:5], 8)
+        for i, (key, fut) in enumerate(other.items())]
+  for tree, (key, fut) in zip(drafter.propose(qs), other.items()):
+    np.testing.assert_array_equal(tree.tokens, fut[5:13], err_msg=key)
