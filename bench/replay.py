@@ -59,8 +59,9 @@ def parse_args(argv=None):
   p.add_argument("--reference", action="store_true",
                  help="also replay the readable Python reference drafter (mode 'both'): same "
                       "statistics required, its time reported")
-  p.add_argument("--serial", action="store_true",
-                 help="also replay mode 'both' with the single-threaded kernel (same trees)")
+  p.add_argument("--threads", action="store_true",
+                 help="also replay mode 'both' with the kernel split across numba's threads "
+                      "(HistoryDrafter(parallel=True); same trees)")
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
@@ -99,13 +100,13 @@ def main(argv=None):
       continue
     size = (f"{len(target.prompts)} prompts x G={target.meta.get('group_size')}, "
             f"{target.num_tokens} tokens")
-    extra = ((["both (1 thread)"] if args.serial else [])
+    extra = ((["both (threads)"] if args.threads else [])
              + (["both (Python reference)"] if args.reference else []))
     for mode in args.modes + extra:
       make = lambda: HistoryDrafter(
           HistoryStore(), use_history=mode != "siblings", use_siblings=mode != "history",
           max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match,
-          compiled="reference" not in mode, parallel="1 thread" not in mode)
+          compiled="reference" not in mode, parallel="threads" in mode)
       if "reference" not in mode:  # compile / warm up first
         replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
       t0 = time.perf_counter()

@@ -76,7 +76,7 @@ class HistoryDrafter:
                min_prob: float = 0.02, fallback_decay: float = 0.5, max_levels: int = 4,
                recency: float = 0.5, history_weight: float = 1.0, sibling_weight: float = 1.0,
                response_capacity: int = 320, index_cache: int = 512,
-               idle_groups_kept: int = 256, compiled: bool = True, parallel: bool = True):
+               idle_groups_kept: int = 256, compiled: bool = True, parallel: bool = False):
     if max_budget < 1 or max_match < 1 or max_levels < 1:
       raise ValueError(f"HistoryDrafter: max_budget ({max_budget}), max_match ({max_match}) and "
                        f"max_levels ({max_levels}) must be >= 1")
@@ -94,8 +94,11 @@ class HistoryDrafter:
     self.history_weight, self.sibling_weight = history_weight, sibling_weight
     self.response_capacity = response_capacity
     self.compiled = compiled  # False: the readable reference (match_tree), query by query
-    # Batches of at least PARALLEL_MIN queries are split across numba's threads (the host's
-    # cores idle while it drafts on the critical path); the trees are the serial kernel's.
+    # parallel=True: batches of at least PARALLEL_MIN queries are split across numba's threads
+    # (same trees as the serial kernel). Off by default: it pays only on idle cores. Replaying
+    # 64 live rows on 2 cores it took 6.1 us/query against 8.4 serial when idle, but 390-1300
+    # us/query with two other jobs on the machine (a chunk's thread waits for a core), against
+    # 15-50 serial (bench/RESULTS.md).
     self.parallel = parallel
     self._threads = fast_draft.num_threads()
     if compiled:

@@ -223,3 +223,16 @@ def test_more_prompts_in_a_batch_than_the_index_cache_all_draft_their_history():
         for i, (key, fut) in enumerate(other.items())]
   for tree, (key, fut) in zip(drafter.propose(qs), other.items()):
     np.testing.assert_array_equal(tree.tokens, fut[5:13], err_msg=key)
+
+
+def test_threaded_drafting_gives_the_same_trees():
+  store = HistoryStore()
+  futures = [true_response(30 + i, 80) for i in range(4)]
+  store.add_group(KEY, 0, futures)
+  qs = [query(futures[i % 4][:10 + i], request_id=i, group_id=f"g{i % 3}") for i in range(20)]
+  serial = HistoryDrafter(store, max_budget=8).propose(qs)
+  threaded = HistoryDrafter(store, max_budget=8, parallel=True).propose(qs)
+  for a, b in zip(serial, threaded):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.parents, b.parents)
+    np.testing.assert_array_equal(a.probs, b.probs)
