@@ -102,7 +102,7 @@ class HistoryDrafter:
     self.parallel = parallel
     self._threads = fast_draft.num_threads()
     if compiled:
-      fast_draft.warmup()  # compiled (or loaded) now, not in the first rollout step
+      fast_draft.warmup(parallel)  # compiled (or loaded) now, not in the first rollout step
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
     self.arena = fast_draft.Arena()
     self.postings = fast_draft.Postings()  # of the past responses (static): no scan
@@ -308,30 +308,36 @@ class HistoryDrafter:
     t0 = time.perf_counter()
     if all(q.ahead is None for q in queries):
       out = self._draft_batch(queries, self.max_budget)
-      self.stats["draft_tokens"] += self._drafted_nodes
-      todo = None
     else:
-      todo = [i for i, q in enumerate(queries) if q.ahead is None]
-      out: list[DraftTree | None] = [None] * len(queries)
-      for i, q in enumerate(queries):  # drafted ahead (best-first): its first `budget` nodes
-        if q.ahead is not None:
-          self._request(q.request_id, q.group_id, q.response)
-          budget = max(min(q.budget, self.max_budget), 0)
-          out[i] = q.ahead.padded(min(budget, len(q.ahead.tokens)))
-          self.stats["ahead_used"] += 1
-          self.stats["ahead_tokens"] += out[i].size
-          self.stats["draft_tokens"] += out[i].size
-    if todo:
-      trees = self._draft_batch([queries[i] for i in todo], self.max_budget)
-      self.stats["draft_tokens"] += self._drafted_nodes
-      for i, tree in zip(todo, trees):
-        out[i] = tree
+      out = self._propose_with_ahead(queries)
+    self.stats["draft_tokens"] += self._drafted_nodes
     dt = time.perf_counter() - t0
     self.stats["propose_calls"] += 1
     self.stats["propose_queries"] += len(queries)
     self.stats["propose_seconds"] += dt
     self._epoch_stats["queries"] += len(queries)
     self._epoch_stats["propose_seconds"] += dt
+    return out
+
+  def _propose_with_ahead(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+    """Trees drafted ahead (best-first: their first `budget` nodes) where given, the rest
+    drafted now; `_drafted_nodes` counts both."""
+    todo = [i for i, q in enumerate(queries) if q.ahead is None]
+    out: list[DraftTree | None] = [None] * len(queries)
+    ahead = 0
+    for i, q in enumerate(queries):
+      if q.ahead is not None:
+        self._request(q.request_id, q.group_id, q.response)
+        budget = max(min(q.budget, self.max_budget), 0)
+        out[i] = q.ahead.padded(min(budget, len(q.ahead.tokens)))
+        self.stats["ahead_used"] += 1
+        self.stats["ahead_tokens"] += out[i].size
+        ahead += out[i].size
+    self._drafted_nodes = 0
+    if todo:
+      for i, tree in zip(todo, self._draft_batch([queries[i] for i in todo], self.max_budget)):
+        out[i] = tree
+    self._drafted_nodes += ahead
     return out
 
   def lookahead(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:

@@ -483,23 +483,25 @@ def num_threads() -> int:
   return numba.get_num_threads() if HAVE_NUMBA else 1
 
 
-_WARM = False
+_WARM: set = set()  # kernels compiled (or loaded) in this process
 
 
-def warmup() -> None:
-  """Compiles (or loads from numba's cache) `draft_batch` for the drafter's argument types,
-  once per process: called when a compiled `HistoryDrafter` is built, so the first rollout
-  step does not pay for it (nothing compiles inside a rollout)."""
-  global _WARM
-  if _WARM or not HAVE_NUMBA:
+def warmup(parallel: bool = False) -> None:
+  """Compiles (or loads from numba's cache) `draft_batch`, and `draft_batch_parallel` when
+  asked for, for the drafter's argument types, once per process: called when a compiled
+  `HistoryDrafter` is built, so the first rollout step does not pay for it (nothing compiles
+  inside a rollout)."""
+  kernels = [(draft_batch, ())] + ([(draft_batch_parallel, (num_threads(),))] if parallel else [])
+  kernels = [(fn, extra) for fn, extra in kernels if fn not in _WARM]
+  if not kernels or not HAVE_NUMBA:
     return
   arena = Arena(capacity=16)
   own = arena.add(np.array([1, 2, 1], np.int32), 1, 1.0)
   postings = Postings()
   lo, hi = postings.range(postings.add(arena, np.array([own], np.int64)))
   out = [np.empty((1, 2), t) for t in (np.int32, np.int32, np.float32)]
-  for fn, extra in ((draft_batch, ()), (draft_batch_parallel, (num_threads(),))):
+  for fn, extra in kernels:
     fn(arena.tokens, arena.seg_start, arena.seg_len, arena.seg_weight, arena.seg_kind,
        np.array([[own, 0, 1, 2, lo, hi]], np.int64), np.array([own], np.int64), 8, 0.02, 0.5, 4,
        1.0, 1.0, *out, np.empty(1, np.int64), postings.tok, postings.seg, postings.pos, *extra)
-  _WARM = True
+    _WARM.add(fn)

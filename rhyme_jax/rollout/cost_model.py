@@ -23,9 +23,25 @@ Shape = tuple  # (bucket, packed P, tokens per row T, cache bucket S)
 
 
 @dataclasses.dataclass
-class _Acceptance:
-  accepted: float = 0.0
-  tried: float = 0.0  # depth levels tested (accepted + the one that failed, if any)
+class _Ratio:
+  """accepted / tried per request, shrunk toward a decayed ratio over all requests."""
+
+  prior_strength: float
+  own: dict = dataclasses.field(default_factory=dict)  # request id -> [accepted, tried]
+  accepted: float = 1.0  # all requests (decayed): prior 0.5 until something is observed
+  tried: float = 2.0
+
+  def of(self, request_id: Hashable, high: float) -> float:
+    a, t = self.own.get(request_id, (0.0, 0.0))
+    k, g = self.prior_strength, self.accepted / max(self.tried, 1e-9)
+    return float(np.clip((a + k * g) / (t + k), 0.0, high))
+
+  def add(self, request_id: Hashable, accepted: float, tried: float) -> None:
+    own = self.own.setdefault(request_id, [0.0, 0.0])
+    own[0] += accepted
+    own[1] += tried
+    self.accepted = 0.99 * self.accepted + accepted
+    self.tried = 0.99 * self.tried + tried
 
 
 class CostModel:
@@ -35,12 +51,10 @@ class CostModel:
     self.ema = ema
     self.prior_strength = prior_strength
     self.seconds: dict[Shape, float] = {}
-    self._acc: dict[Hashable, _Acceptance] = {}
-    self._global = _Acceptance(1.0, 2.0)  # prior alpha 0.5 until something is observed
-    # Calibration of drafter probabilities: accepted nodes over the sum of the (uncalibrated)
-    # probabilities of the nodes verified; `tried` holds that sum here.
-    self._cal: dict[Hashable, _Acceptance] = {}
-    self._global_cal = _Acceptance(1.0, 2.0)  # prior 0.5 until something is observed
+    # Accepted draft nodes over depth levels tested (accepted + the one that failed, if any).
+    self._alpha = _Ratio(prior_strength)
+    # Accepted draft nodes over the sum of the (uncalibrated) drafter probabilities verified.
+    self._cal = _Ratio(prior_strength)
 
   # ---- step times --------------------------------------------------------------------------
 
@@ -73,40 +87,25 @@ class CostModel:
 
   def alpha(self, request_id: Hashable) -> float:
     """Per-level acceptance estimate: the request's own counts over a prior of all requests."""
-    g = self._global.accepted / max(self._global.tried, 1e-9)
-    a = self._acc.get(request_id, _Acceptance())
-    k = self.prior_strength
-    return float(np.clip((a.accepted + k * g) / (a.tried + k), 0.0, 0.99))
+    return self._alpha.of(request_id, 0.99)
 
   def calibration(self, request_id: Hashable) -> float:
     """Accepted nodes per unit of drafter probability offered: the request's own over a prior
     of all requests (1.0 = the drafter's probabilities are right)."""
-    g = self._global_cal.accepted / max(self._global_cal.tried, 1e-9)
-    a = self._cal.get(request_id, _Acceptance())
-    k = self.prior_strength
-    return float(np.clip((a.accepted + k * g) / (a.tried + k), 0.0, 1.0))
+    return self._cal.of(request_id, 1.0)
 
   def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int,
                          offered: float | None = None) -> None:
     """After a step that asked for a draft: `depth` of the verified tree (0 when the drafter
     had nothing, which counts as one failed level), `accepted` draft nodes, and `offered`, the
     sum of the drafter's probabilities of the verified nodes (None: it gave none)."""
-    tried = accepted + (1 if accepted < depth or depth <= 0 else 0)
-    a = self._acc.setdefault(request_id, _Acceptance())
-    a.accepted += accepted
-    a.tried += tried
-    self._global.accepted = 0.99 * self._global.accepted + accepted
-    self._global.tried = 0.99 * self._global.tried + tried
+    self._alpha.add(request_id, accepted, accepted + (1 if accepted < depth or depth <= 0 else 0))
     if offered is not None and offered > 0:
-      c = self._cal.setdefault(request_id, _Acceptance())
-      c.accepted += accepted
-      c.tried += offered
-      self._global_cal.accepted = 0.99 * self._global_cal.accepted + accepted
-      self._global_cal.tried = 0.99 * self._global_cal.tried + offered
+      self._cal.add(request_id, accepted, offered)
 
   def forget(self, request_id: Hashable) -> None:
-    self._acc.pop(request_id, None)
-    self._cal.pop(request_id, None)
+    self._alpha.own.pop(request_id, None)
+    self._cal.own.pop(request_id, None)
 
   def node_values(self, request_id: Hashable, depth: np.ndarray,
                   probs: np.ndarray | None) -> np.ndarray:
