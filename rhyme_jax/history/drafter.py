@@ -14,7 +14,7 @@ returned; the tree is unpadded and best-first, so any prefix of it is a tree the
 truncate to by its own cost model (`probs` tell it what each node is worth). Nothing here
 adapts the size to past acceptance (a halving budget collapses to 1-2 nodes under sampling).
 
-Speed: every indexed sequence lives in one persistent `fast_draft.Arena`; emitted tokens are
+Speed: every indexed sequence lives in one persistent `arena.Arena`; emitted tokens are
 appended in place by `observe`; `propose` drafts all queries of a step in one compiled call.
 
 Engine protocol: `propose(queries)` before each step; `observe(request_id, group_id,
@@ -34,11 +34,11 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from rhyme_jax.history import fast_draft, match_tree
+from rhyme_jax.history import arena as arena_lib, fast_draft, match_tree
 from rhyme_jax.history.store import HistoryStore, prompt_key as hash_prompt
-from rhyme_jax.rollout.drafts import DraftQuery, DraftTree
+from rhyme_jax.rollout.drafts import DraftBatch, DraftQuery, DraftTree
 
-START = fast_draft.START  # sentinel opening every indexed response (never drafted)
+START = arena_lib.START  # sentinel opening every indexed response (never drafted)
 HISTORY, SIBLING = 0, 1  # segment kinds
 _NO_SEGS = np.zeros(0, np.int64)
 PARALLEL_MIN = 16  # queries per batch from which drafting is split across threads
@@ -104,8 +104,9 @@ class HistoryDrafter:
     if compiled:
       fast_draft.warmup(parallel)  # compiled (or loaded) now, not in the first rollout step
     self.index_cache, self.idle_groups_kept = index_cache, idle_groups_kept
-    self.arena = fast_draft.Arena()
-    self.postings = fast_draft.Postings()  # of the past responses (static): no scan
+    self.arena = arena_lib.Arena()
+    self.postings = arena_lib.Postings()  # of the past responses (static): no scan
+    self._scratch: fast_draft.Scratch | None = None  # the kernel's work space, kept
     # prompt key -> (store version, its segments, their postings id)
     self._history: collections.OrderedDict[Hashable, tuple[int, np.ndarray, int]] = (
         collections.OrderedDict())
@@ -204,7 +205,7 @@ class HistoryDrafter:
 
   # --- drafting -----------------------------------------------------------------------------
 
-  def _draft_batch(self, queries: Sequence[DraftQuery], cap: int) -> list[DraftTree]:
+  def _draft_batch(self, queries: Sequence[DraftQuery], cap: int) -> Sequence[DraftTree]:
     """Every query's tree in one compiled call (the per-query Python here is the host cost the
     engine pays per request and step, so it is kept to look-ups and one tuple)."""
     reqs, groups = self._requests, self._groups
@@ -212,7 +213,7 @@ class HistoryDrafter:
     stamp = (self.store.generation, self._index_gen) if history else None
     gen0 = self._index_gen
     siblings = self.use_siblings
-    rows, batch = [], []  # per query: fast_draft.Q_* columns; its request state
+    rows, batch = [], []  # per query: its fast_draft.Q_* columns (flat); its request state
     seg_parts, seg_at, n_segs = [], {}, 0  # each group's segments once per batch
     width = 1
     for q in queries:
@@ -249,7 +250,7 @@ class HistoryDrafter:
           seg_parts.append(group.array)
           n_segs = at[1]
         slo, shi = at
-      rows.append((req.seg, slo, shi, budget, plo, phi))
+      rows += (req.seg, slo, shi, budget, plo, phi)
     if history:
       self._in_use.clear()
       if self._index_gen != gen0:  # an index built or freed meanwhile may have moved ranges
@@ -257,8 +258,8 @@ class HistoryDrafter:
           cached = self._history.get(req.key)
           lo, hi = self.postings.range(cached[2]) if cached is not None else (0, 0)
           req.history = (stamp, lo, hi)
-          rows[r] = rows[r][:4] + (lo, hi)
-    n = len(rows)
+          rows[6 * r + 4:6 * r + 6] = lo, hi
+    n = len(batch)
     info = np.array(rows, np.int64).reshape(n, 6)
     q_segs = np.concatenate(seg_parts) if seg_parts else _NO_SEGS
     if not self.compiled:
@@ -267,22 +268,15 @@ class HistoryDrafter:
     out_par = np.empty((n, width), np.int32)
     out_prob = np.empty((n, width), np.float32)
     out_n = np.empty(n, np.int64)
-    a = self.arena
-    args = (a.tokens, a.seg_start, a.seg_len, a.seg_weight, a.seg_kind, info, q_segs,
-            self.max_match, self.min_prob, self.fallback_decay, self.max_levels,
-            self.history_weight, self.sibling_weight, out_tok, out_par, out_prob, out_n,
-            self.postings.tok, self.postings.seg, self.postings.pos)
-    if self.parallel and n >= PARALLEL_MIN and self._threads > 1:
-      fast_draft.draft_batch_parallel(*args, self._threads)
-    else:
-      fast_draft.draft_batch(*args)
+    threads = self._threads if self.parallel and n >= PARALLEL_MIN else 1
+    self._scratch = fast_draft.draft(
+        self.arena, self.postings, info, q_segs, out_tok, out_par, out_prob, out_n,
+        max_match=self.max_match, min_prob=self.min_prob, decay=self.fallback_decay,
+        max_levels=self.max_levels, kind_weights=(self.history_weight, self.sibling_weight),
+        scratch=self._scratch, threads=threads)
     sizes = out_n.tolist()
     self._drafted_nodes = sum(sizes)
-    # Flat views: a 1-D slice is cheaper than a row-and-slice of the 2-D outputs.
-    tok, par, prob = out_tok.reshape(-1), out_par.reshape(-1), out_prob.reshape(-1)
-    ones = np.ones(width, bool)
-    return [DraftTree(tok[o:o + k], par[o:o + k], ones[:k], prob[o:o + k], True)
-            for o, k in zip(range(0, n * width, width), sizes)]
+    return DraftBatch(out_tok, out_par, out_prob, sizes)
 
   def _draft_reference(self, queries, info, q_segs) -> list[DraftTree]:
     """The same trees from `match_tree.draft_reference` (slow; for tests and comparisons)."""
@@ -304,7 +298,7 @@ class HistoryDrafter:
     self._drafted_nodes = nodes
     return out
 
-  def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+  def propose(self, queries: Sequence[DraftQuery]) -> Sequence[DraftTree]:
     t0 = time.perf_counter()
     if all(q.ahead is None for q in queries):
       out = self._draft_batch(queries, self.max_budget)
@@ -340,7 +334,7 @@ class HistoryDrafter:
     self._drafted_nodes += ahead
     return out
 
-  def lookahead(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+  def lookahead(self, queries: Sequence[DraftQuery]) -> Sequence[DraftTree]:
     """Deeper trees for drafting ahead (up to q.budget nodes); changes nothing `propose` /
     `observe` read (the requests' segments are synchronised with their responses, a no-op
     when `observe` reported every token)."""

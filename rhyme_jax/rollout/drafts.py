@@ -10,6 +10,7 @@ speed: the engine samples from the target at every node, so garbage drafts chang
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Hashable, Protocol, Sequence
 
@@ -142,6 +143,53 @@ class DraftTree:
     return out
 
 
+class DraftBatch(collections.abc.Sequence):
+  """The trees of one `propose` call in padded arrays, as a compiled drafter writes them.
+
+  Row i of `tokens_NxW` / `parents_NxW` / `probs_NxW` holds `sizes[i]` nodes, best first and
+  clean (see `DraftTree.clean`). Indexing gives row i as a `DraftTree` of views (for code that
+  walks trees); the engine takes `cleaned` arrays per row and never builds the objects, which
+  at 64 rows cost about as much host time as drafting itself.
+  """
+
+  def __init__(self, tokens_NxW: np.ndarray, parents_NxW: np.ndarray, probs_NxW: np.ndarray,
+               sizes: Sequence[int]):
+    w = tokens_NxW.shape[1]
+    self._flat = (tokens_NxW.reshape(-1), parents_NxW.reshape(-1), probs_NxW.reshape(-1))
+    self._at = range(0, len(sizes) * w, w)  # row i starts at _at[i] of the flat views
+    self.sizes = list(sizes)
+    self._ones = np.ones(w, bool)
+
+  def __len__(self) -> int:
+    return len(self.sizes)
+
+  def __iter__(self):
+    return (self[i] for i in range(len(self.sizes)))
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return [self[k] for k in range(*i.indices(len(self)))]
+    o, n = self._at[i], self.sizes[i]
+    tok, par, prob = self._flat
+    return DraftTree(tok[o:o + n], par[o:o + n], self._ones[:n], prob[o:o + n], True)
+
+  def cleaned(self, i: int, max_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`self[i].cleaned(max_nodes)` without the tree: its first nodes are already clean."""
+    o = self._at[i]
+    e = o + min(self.sizes[i], max(max_nodes, 0))
+    tok, par, prob = self._flat
+    return tok[o:e], par[o:e], prob[o:e]
+
+
+def cleaned_drafts(drafts: Sequence[DraftTree], max_nodes: Sequence[int]
+                   ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+  """(tokens, parents, probs) of each draft cleaned to at most max_nodes[i] nodes (what the
+  engine packs), from a `DraftBatch` without building its trees."""
+  if isinstance(drafts, DraftBatch):
+    return [drafts.cleaned(i, n) for i, n in enumerate(max_nodes)]
+  return [tree.cleaned(n) for tree, n in zip(drafts, max_nodes)]
+
+
 @dataclasses.dataclass
 class DraftQuery:
   """What a drafter sees of one live request before a step."""
@@ -173,7 +221,8 @@ class DraftSource(Protocol):
   engine never calls another method while `lookahead` runs.
   """
 
-  def propose(self, queries: Sequence[DraftQuery]) -> list[DraftTree]:
+  def propose(self, queries: Sequence[DraftQuery]) -> Sequence[DraftTree]:
+    """One tree per query (a list, or a `DraftBatch`)."""
     ...
 
   def observe(self, request_id: int, group_id: Hashable, new_tokens: np.ndarray,

@@ -34,7 +34,7 @@ from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
-from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree
+from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
@@ -426,8 +426,7 @@ class RolloutEngine:
           if ahead_only and q.ahead is None:
             q = dataclasses.replace(q, budget=0)
           queries.append(q)
-        cleaned = [tree.cleaned(q.budget) for q, tree in
-                   zip(queries, self.drafter.propose(queries))]
+        cleaned = cleaned_drafts(self.drafter.propose(queries), [q.budget for q in queries])
         values = [self.costs.node_values(slots[i].req.request_id, _depths(c[1]), c[2])
                   for i, c in zip(live_idx, cleaned)]
         s = self._kv_len_for(longest + in_flight + cap + 1)

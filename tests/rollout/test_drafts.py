@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from rhyme_jax.rollout.drafts import DraftTree
+from rhyme_jax.rollout.drafts import DraftBatch, DraftTree, cleaned_drafts
 
 # root -> 5 -> 6 -> 7          (nodes 0, 1, 3)
 #      -> 5 -> 8               (node 4, child of 0)
@@ -44,3 +44,25 @@ def test_padded_cut_keeps_best_first_prefix_and_drops_orphans():
   grown = TREE.padded(12)
   assert len(grown.tokens) == 12 and nodes(grown) == nodes(TREE)
   np.testing.assert_array_equal(grown.valid[8:], False)
+
+
+def test_draft_batch_rows_are_the_trees_it_stands_for():
+  """A DraftBatch row, as a tree or cleaned directly, is the clean tree of its first nodes."""
+  rng = np.random.default_rng(0)
+  sizes = [0, 3, 5, 1]
+  tok = rng.integers(0, 100, (4, 5)).astype(np.int32)
+  par = np.tile(np.arange(5, dtype=np.int32) - 1, (4, 1))  # chains: parents before children
+  prob = np.sort(rng.random((4, 5)), axis=1)[:, ::-1].astype(np.float32)
+  batch = DraftBatch(tok, par, prob, sizes)
+  assert len(batch) == 4 and len(list(batch)) == 4 and len(batch[1:3]) == 2
+  for i, tree in enumerate(batch):
+    assert tree.size == sizes[i] and tree.clean
+    np.testing.assert_array_equal(tree.tokens, tok[i, :sizes[i]])
+    for budget in (0, 2, 9):
+      for got, want in zip(batch.cleaned(i, budget), tree.cleaned(budget)):
+        np.testing.assert_array_equal(got, want)
+  lists = cleaned_drafts(list(batch), [2] * 4)
+  for got, want in zip(cleaned_drafts(batch, [2] * 4), lists):
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
