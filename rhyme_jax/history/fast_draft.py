@@ -347,10 +347,13 @@ def _draft_range(q0, q1, arena, seg_start, seg_len, seg_w, seg_kind, q_info, q_s
               k -= 1
             top[k] = v
             n_top = min(n_top + 1, budget)
+      # Children are never more probable than their node, so a node at most as probable as
+      # the budget-th best so far has none that can make the tree: its candidates stop here.
+      thr = top[budget - 1] if n_top >= budget else -1.0
       n_live = 0
       for i in range(n_move):
         f = new_final[move_j[i]]
-        if f >= 0:
+        if f >= 0 and node_prob[f] > thr:
           l_pos[n_live] = l_pos[i]
           l_end[n_live] = l_end[i]
           l_w[n_live] = l_w[i]
