@@ -15,6 +15,12 @@ Settings (files from bench/record.py under --dir, prompt ranges merged):
   greedy:  target gsm8k_T0_e0 (one response per prompt), history gsm8k_T0.6_e1 (e0 if absent)
 
   python bench/replay.py --dir /work/recordings --budget 16 --live_rows 64
+
+A real GRPO run's epochs (`--record_rollouts`: the policy changes between them) replay with
+`--grpo_dir RUN_DIR/rollouts`: data epoch e as the target, the epochs before it as history
+(kept as the trainer keeps them), e.g. the quickstart task with its engine's 16 live rows:
+
+  python bench/replay.py --grpo_dir runs/grpo_rec/rollouts --settings= --live_rows 16
 """
 
 from __future__ import annotations
@@ -49,10 +55,22 @@ def load(directory: str, temp: float, epoch: int) -> Recording | None:
   return merge([Recording.load(p) for p in paths]) if paths else None
 
 
+def load_grpo(directory: str) -> dict[int, Recording]:
+  """A run's `--record_rollouts` files merged per data epoch (rounds in step order)."""
+  paths = glob.glob(os.path.join(directory, "e*_s*_r*_p*.npz"))
+  by_epoch: dict[int, list] = {}
+  for path in sorted(paths, key=lambda p: os.path.basename(p).split("_", 1)[1]):
+    rec = Recording.load(path)
+    by_epoch.setdefault(int(rec.meta["epoch"]), []).append(rec)
+  return {e: merge(recs) for e, recs in sorted(by_epoch.items())}
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--dir", default="/work/recordings", help="recordings from bench/record.py")
   p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {tuple(SETTINGS)}")
+  p.add_argument("--grpo_dir", default="",
+                 help="also replay a GRPO run's epochs (its RUN_DIR/rollouts from --record_rollouts)")
   p.add_argument("--modes", default=",".join(MODES), help=f"from {MODES}")
   p.add_argument("--budget", type=int, default=16, help="draft nodes per request per step")
   p.add_argument("--live_rows", type=int, default=64, help="requests drafted together")
@@ -73,18 +91,16 @@ def parse_args(argv=None):
   args.modes = [m for m in args.modes.split(",") if m]
   for flag, got, known in (("settings", args.settings, SETTINGS), ("modes", args.modes, MODES)):
     bad = [x for x in got if x not in known]
-    if bad or not got:
+    if bad or (not got and (flag == "modes" or not args.grpo_dir)):
       p.error(f"--{flag}: unknown {bad or 'empty list'}; choose from {tuple(known)}")
   if args.budget < 1 or args.live_rows < 1 or args.repeats < 1:
     p.error("--budget, --live_rows and --repeats must be >= 1")
   return args
 
 
-def main(argv=None):
-  args = parse_args(argv)
-  if not os.path.isdir(args.dir):
-    raise SystemExit(f"--dir={args.dir}: no such directory")
-  rows, notes = [], []
+def recorded_cases(args, notes: list) -> list:
+  """(name, target, history) of each --settings entry whose recordings exist under --dir."""
+  cases = []
   for name in args.settings:
     (tt, te), hist = SETTINGS[name]
     target = load(args.dir, tt, te)
@@ -102,6 +118,31 @@ def main(argv=None):
     if target is None or any(h is None for h in history):
       print(f"[replay] {name}: recordings missing under {args.dir}, skipped", flush=True)
       continue
+    cases.append((name, target, history))
+  return cases
+
+
+def grpo_cases(args, notes: list) -> list:
+  """(name, target, history) per data epoch >= 1 of the --grpo_dir run."""
+  epochs = load_grpo(args.grpo_dir)
+  if len(epochs) < 2:
+    raise SystemExit(f"--grpo_dir={args.grpo_dir}: fewer than two data epochs recorded")
+  first = next(iter(epochs.values())).meta
+  notes.append(f"GRPO run: {args.grpo_dir} ({first.get('task')}, {first.get('model')}, T="
+               f"{first.get('temperature')}, G={first.get('group_size')}, max "
+               f"{first.get('max_new_tokens')} new tokens); target = data epoch e, history = "
+               "the epochs before it as the trainer keeps them (HistoryStore defaults)")
+  return [(f"GRPO e{e}", rec, [epochs[k] for k in epochs if k < e])
+          for e, rec in epochs.items() if e > min(epochs)]
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.settings and not os.path.isdir(args.dir):
+    raise SystemExit(f"--dir={args.dir}: no such directory")
+  rows, notes = [], []
+  cases = recorded_cases(args, notes) + (grpo_cases(args, notes) if args.grpo_dir else [])
+  for name, target, history in cases:
     size = (f"{len(target.prompts)} prompts x G={target.meta.get('group_size')}, "
             f"{target.num_tokens} tokens")
     extra = ((["both (threads)"] if args.threads else [])
@@ -138,10 +179,11 @@ def main(argv=None):
   print(table)
   if not args.no_append:
     common.append_results(
-        f"Drafter replay on recorded SmolLM2 GSM8K rollouts (budget {args.budget}, "
+        f"Drafter replay on recorded SmolLM2 rollouts (budget {args.budget}, "
         f"{args.live_rows} live rows)", table,
         [f"HistoryDrafter (compiled: numba={fast_draft.HAVE_NUMBA}), min_prob {args.min_prob}, "
-         f"max_match {args.max_match}; history = previous epoch (fresh seed, same weights)",
+         f"max_match {args.max_match}; settings T=*/greedy: GSM8K, history = previous epoch "
+         "(fresh seed, same weights)",
          "us/query = host time of propose per request per step, all live rows in one call, "
          f"median of {args.repeats} replays after a warm-up one (compiled), wall and this "
          "thread's CPU (the threaded kernel's other threads not counted); numba threads: "

@@ -47,6 +47,7 @@ TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # sampled.
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
+                     "run.record_rollouts",
                      "rollout.attention", "rollout.schedule", "rollout.speculate", "distributed")
 
 
@@ -134,6 +135,7 @@ class RunOptions:
   eval_size: int
   log_every: int
   device_memory_gib: float  # 0 = what the device reports (CPUs report nothing: no check)
+  record_rollouts: bool  # sampled tokens of every round to RUN_DIR/rollouts/ (for replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +261,9 @@ _FLAGS = {
         ("device_memory_gib", 0.0, "Memory per device in GiB that the run must fit (checked at "
          "start against an estimate of parameters, optimiser state, activations and KV cache; "
          "0 = what the device reports, no check where it reports nothing)."),
+        ("record_rollouts", False, "Write every rollout round's sampled tokens to "
+         "RUN_DIR/rollouts/ (history.recording files, one per round and data epoch): replay "
+         "drafters against this run's epochs offline with bench/replay.py --grpo_dir."),
     ],
     DistributedOptions: [
         ("coordinator_address", "", "host:port of process 0, the same for every process of a "

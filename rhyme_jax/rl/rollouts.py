@@ -6,7 +6,9 @@
 `--schedule` admission order (`scheduling.plan_step`: lengths predicted from the store);
 `record` adds finished groups to the store (every host's, in process order, so the store is
 the same on all hosts and a prompt's next visit drafts from it and is scheduled by it wherever
-it lands); `evaluate` decodes held-out prompts greedily. Request ids are a function of (step,
+it lands); `evaluate` decodes held-out prompts greedily. With `--record_rollouts` every round's
+sampled tokens are also written to RUN_DIR/rollouts/ (`history.recording`), so drafters can be
+replayed against this run's epochs offline. Request ids are a function of (step,
 round, process, prompt, sample) and the engine's sampling keys of (seed, request id,
 position), so a resumed run samples the same tokens as one that never stopped, and no two
 hosts share sampling noise.
@@ -15,6 +17,7 @@ hosts share sampling noise.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Sequence
 
@@ -22,6 +25,7 @@ import numpy as np
 
 from rhyme_jax.config import Config, ids_per_step
 from rhyme_jax.history.drafter import HistoryDrafter
+from rhyme_jax.history.recording import Recording
 from rhyme_jax.history.store import HistoryStore
 from rhyme_jax.rl.rewards.scoring import Scorer
 from rhyme_jax.rl.samples import (GroupRecord, Prompt, Sample, accuracy, rows_hash,
@@ -80,6 +84,8 @@ class Rollouts:
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                    top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens)
     self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)
+    self.record_dir = (os.path.join(c.run.run_dir, "rollouts") if c.run.record_rollouts
+                       else None)
 
   def warmup(self) -> None:
     """Compiles every rollout shape once: for training sampling and for greedy evaluation."""
@@ -112,6 +118,8 @@ class Rollouts:
     finish = np.array([r.finish_time for r in results])
     stats["time/rollout_makespan"] = stats.get("time/rollout_makespan", 0.0) + finish.max()
     stats["time/rollout_tail"] = stats.get("time/rollout_tail", 0.0) + tail_time(finish)
+    if self.record_dir is not None:
+      self._save_round(prompts, results, step, round_idx)
     t0 = time.perf_counter()
     g = c.rl.group_size
     groups = []
@@ -127,6 +135,27 @@ class Rollouts:
       groups.append(group)
     stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
     return groups
+
+  def _save_round(self, prompts: Sequence[Prompt], results, step: int, round_idx: int) -> None:
+    """The round's tokens as one `Recording` per data epoch it spans, named by (epoch, step,
+    round, process): a rerun of a step after a resume rewrites the same file."""
+    c, g = self.config, self.config.rl.group_size
+    os.makedirs(self.record_dir, exist_ok=True)
+    meta = {"seed": c.run.seed, "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
+            "max_new_tokens": self.sampling.max_new_tokens, "group_size": g,
+            "model": c.model.model, "task": c.data.task, "step": step, "round": round_idx,
+            "process": self.process_index, "source": "GRPO run (--record_rollouts)"}
+    for epoch in sorted({p.epoch for p in prompts}):
+      idx = [i for i, p in enumerate(prompts) if p.epoch == epoch]
+      rs = [results[i * g + j] for i in idx for j in range(g)]
+      Recording(responses=[np.asarray(r.tokens, np.int32) for r in rs],
+                request_ids=np.array([r.request_id for r in rs], np.int64),
+                prompt_index=np.repeat(np.arange(len(idx), dtype=np.int64), g),
+                finish=[r.finish_reason for r in rs], prompts=[prompts[i].tokens for i in idx],
+                prompt_keys=[prompts[i].key for i in idx], meta=dict(meta, epoch=int(epoch))
+                ).save(os.path.join(self.record_dir, f"e{epoch}_s{step:06d}_r{round_idx}"
+                                                     f"_p{self.process_index}.npz"))
 
   def record(self, records: Sequence[GroupRecord]) -> None:
     """Adds finished groups to the history store, in order (later visits draft from them and

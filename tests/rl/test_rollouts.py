@@ -8,6 +8,7 @@ import train_entry
 
 from rhyme_jax.config import parse_flags
 from rhyme_jax.data.datasets import Example
+from rhyme_jax.history.recording import Recording
 from rhyme_jax.models.loading import load_model
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.scoring import Scorer
@@ -54,6 +55,33 @@ def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tok
   other = rollouts.sample_round(prompts, 4, 0, {})
   flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
   assert flat(again) == flat(groups) and flat(other) != flat(groups)
+
+
+def test_record_rollouts_writes_each_round_per_data_epoch(tmp_path, smollm2_tokenizer):
+  """--record_rollouts: one recording per round and data epoch, holding exactly the sampled
+  tokens, request ids, prompts and sampling settings."""
+  tok = smollm2_tokenizer
+  model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
+  config = parse_flags(["--run_dir=" + str(tmp_path / "run"), "--group_size=2",
+                        "--prompts_per_step=3", "--max_prompt_len=64", "--max_new_tokens=5",
+                        "--temperature=1.0", "--spec=none", "--record_rollouts"])
+  scorer = Scorer(tok, get_reward_fn("format"), config.rollout.max_new_tokens)
+  examples = [Example(u, q, "#### 1") for u, q in (("a", "1?"), ("b", "2?"), ("c", "3?"))]
+  prompts = encode_prompts(["one", "two", "three"], examples, [4, 4, 5], tok, 64)
+  groups = Rollouts(config, model, tok, scorer).sample_round(prompts, 7, 1, {})
+  files = sorted((tmp_path / "run" / "rollouts").iterdir())
+  assert [f.name for f in files] == ["e4_s000007_r1_p0.npz", "e5_s000007_r1_p0.npz"]
+  for f, (lo, hi), epoch in zip(files, ((0, 2), (2, 3)), (4, 5)):
+    rec = Recording.load(f)
+    samples = [s for g in groups[lo:hi] for s in g]
+    assert [r.tolist() for r in rec.responses] == [s.tokens.tolist() for s in samples]
+    assert rec.finish == [s.finish_reason for s in samples]
+    assert rec.prompt_keys == [p.key for p in prompts[lo:hi]]
+    assert [p.tolist() for p in rec.prompts] == [p.tokens.tolist() for p in prompts[lo:hi]]
+    assert rec.prompt_index.tolist() == np.repeat(np.arange(hi - lo), 2).tolist()
+    assert len(set(rec.request_ids.tolist())) == 2 * (hi - lo)
+    assert rec.meta["epoch"] == epoch and rec.meta["temperature"] == 1.0
+    assert rec.meta["group_size"] == 2 and rec.meta["step"] == 7
 
 
 def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
