@@ -98,7 +98,8 @@ class CostModel:
                          offered: float | None = None) -> None:
     """After a step that asked for a draft: `depth` of the verified tree (0 when the drafter
     had nothing, which counts as one failed level), `accepted` draft nodes, and `offered`, the
-    sum of the drafter's probabilities of the verified nodes (None: it gave none)."""
+    sum of the drafter's probabilities of the verified nodes (None: it gave none). Not called
+    for a row whose drafts the step did not verify: an unverified node has not failed."""
     self._alpha.add(request_id, accepted, accepted + (1 if accepted < depth or depth <= 0 else 0))
     if offered is not None and offered > 0:
       self._cal.add(request_id, accepted, offered)

@@ -58,7 +58,7 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: step.StepOutput
-  rows: list  # (slot, _Live, drafted nodes, tree depth, sum of their drafter probabilities)
+  rows: list  # (slot, _Live, drafted nodes, tree depth (-1: offered, none verified), their probs' sum)
   shape: tuple
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
   ahead: concurrent.futures.Future | None = None
@@ -357,7 +357,7 @@ class RolloutEngine:
         lv.accepted += emitted - 1
         stats.drafted += drafted
         stats.accepted += emitted - 1
-        if asked:
+        if asked and depth >= 0:
           self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered)
         reason, new = None, []
         for k in range(emitted):
@@ -439,6 +439,8 @@ class RolloutEngine:
         p, t = shape[1], shape[2]
         for k, i in enumerate(live_idx):
           n = take[k]
+          if not n and (len(cleaned[k][0]) or not queries[k].budget):
+            depths[i] = -1  # drafts unverified, or no room to draft: nothing learnt
           if n:
             toks, pars, probs = cleaned[k]
             trees[i] = (toks[:n], pars[:n])

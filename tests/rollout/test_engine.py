@@ -1,6 +1,7 @@
 """Engine behaviour: speculation never changes what is sampled, shapes compile once, slots stay
 full, bad requests fail alone."""
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -161,6 +162,32 @@ def test_stop_sequences_and_max_tokens(tiny_model):
                  if tuple(free.tokens[i - 2:i]) == stop)
     np.testing.assert_array_equal(res.tokens, free.tokens[:first])
     assert res.finish_reason == "stop"
+
+
+def test_unverified_drafts_do_not_count_as_rejected(tiny_model):
+  """A step that asked for drafts but verified none of a row's (the cost model found them not
+  worth it) teaches the acceptance estimate nothing: before, each such step counted as a failed
+  level for every row, so the estimate fell until no step even asked for drafts."""
+  calls = []
+
+  class Unlikely(OracleDrafter):  # right drafts the drafter itself rates as near-hopeless
+    def propose(self, queries):
+      calls.append(len(queries))
+      return [dataclasses.replace(t, probs=np.full(len(t.tokens), 0.01, np.float32))
+              for t in super().propose(queries)]
+
+  params = SamplingParams(temperature=0.0, max_new_tokens=12)
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=8, eos_ids=(EOS,), seed=5)
+  plain = RolloutEngine(tiny_model, cfg, None).generate(requests(params))
+  eng = RolloutEngine(tiny_model, cfg, Unlikely({r.request_id: r.tokens for r in plain}, 64))
+  eng.warmup()
+  eng.costs.seconds = {shape: 1.0 + 0.1 * shape[1] for shape in eng.costs.seconds}
+  eng.costs.observe_time = lambda *a, **k: None
+  res = eng.generate(requests(params))
+  assert calls and eng.stats.spec_steps == 0  # asked (alpha's prior), then chose plain steps
+  assert eng.costs.alpha("a request never seen") == pytest.approx(0.5)  # the prior, unmoved
+  for a, b in zip(plain, res):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
 def test_cost_model_chooses_plain_and_packed_steps(tiny_model):
