@@ -221,6 +221,27 @@ def make_drafter(mode, store, args):
                         min_prob=args.min_prob)
 
 
+def summed_ratios(rows: list[dict]) -> dict[str, float]:
+  """Per drafting mode: its rollout seconds summed over (T, epoch) / plain's over the same."""
+  plain = {(r["temp"], r["epoch"]): r["total_s"] for r in rows if r["mode"] == "plain"}
+  out: dict[str, list[float]] = {}
+  for r in rows:
+    if r["mode"] != "plain":
+      acc = out.setdefault(r["mode"], [0.0, 0.0])
+      acc[0] += r["total_s"]
+      acc[1] += plain[(r["temp"], r["epoch"])]
+  return {m: a / b for m, (a, b) in out.items()}
+
+
+def bracket_times(first: dict, second: dict) -> dict:
+  """Plain's timing fields as the mean of two runs of the same requests (seconds averaged)."""
+  tokens = first["tokens"]
+  decode_s = (tokens / first["decode_tps"] + tokens / second["decode_tps"]) / 2
+  total_s = (first["total_s"] + second["total_s"]) / 2
+  return dict(decode_tps=tokens / decode_s, total_tps=first["total_tps"] * first["total_s"] / total_s,
+              device_ms=(first["device_ms"] + second["device_ms"]) / 2, total_s=total_s)
+
+
 def run(engine, reqs):
   results = engine.generate(reqs)
   errors = [r.error for r in results if r.finish_reason == "error"]
@@ -267,7 +288,16 @@ def main(argv=None):
       learner, scorer = make_learner(args, dtype, temp, tok)
       model = learner.model()
     t0 = time.perf_counter()
-    RolloutEngine(model, cfg, None).warmup(filters=False)  # every shape the engines use
+    warm = RolloutEngine(model, cfg, None)
+    warm.warmup(filters=False)  # every shape the engines use, compiled and timed
+    # Each drafter's engine starts from these step times, as the trainer's one engine keeps its
+    # warm-up times (a fresh cost model knows no time and assumes a speculative step costs
+    # P / B plain ones: it would never speculate).
+    step_times = dict(warm.costs.seconds)
+    # One cost model per drafter across the epochs, as the trainer's engine keeps its own
+    # across steps: acceptance learnt in one epoch informs the next (per-request estimates are
+    # dropped when a request finishes).
+    costs_of: dict = {}
     print(f"[histospec] warm-up (compilation) {time.perf_counter() - t0:.1f}s", flush=True)
     compiles_before = dict(TRACE_COUNTS)
     for epoch in range(args.epochs):
@@ -293,6 +323,10 @@ def main(argv=None):
           label = mode + ("" if draft_mode == "sync" else f"+{draft_mode}")
           engine = RolloutEngine(model, dataclasses.replace(ecfg, draft_mode=draft_mode),
                                  drafter)
+          if label not in costs_of:
+            engine.costs.seconds.update(step_times)
+            costs_of[label] = engine.costs
+          engine.costs = costs_of[label]
           results, st = run(engine, reqs)
           same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
           rows.append(dict(temp=temp, epoch=epoch, mode=label, same=same, **st))
@@ -302,6 +336,13 @@ def main(argv=None):
                 f"{st['device_ms']:.2f} ms/step, decode {st['decode_tps']:.1f} tok/s "
                 f"({st['decode_tps'] / plain['decode_tps']:.2f}x), same tokens "
                 f"{same}/{len(reqs)}, {st['total_s']:.1f}s", flush=True)
+      if len(rows) > 1 and rows[-1]["mode"] != "plain":
+        # Plain again, after the drafting engines: runs later in an epoch ran up to ~10% faster
+        # on an otherwise idle CPU (same work), so plain's times are the mean of a run before
+        # and one after them, and no drafter gains from running second.
+        again_results, again = run(RolloutEngine(model, ecfg, None), reqs)
+        assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, again_results))
+        line.update(bracket_times(plain, again))
       by_prompt: dict = {}
       for req, res in zip(reqs, plain_results):  # the next epoch drafts from this one
         by_prompt.setdefault(req.prompt_key, []).append(res.tokens)
@@ -354,10 +395,14 @@ def main(argv=None):
        if args.policy_change == "grpo" else
        f"policy change between epochs: Gaussian noise of {args.noise:g} x RMS per weight "
        f"tensor"),
-      f"speculative engines verify a {args.budget}-token tree per slot every step "
-      f"(HistoryDrafter trees of up to the budget, best first, min path prob "
-      f"{args.min_prob}); plain = budget 0 (one-token steps); buckets {args.buckets}; "
-      f"history = the previous epoch's plain responses",
+      f"drafting engines: HistoryDrafter trees of up to {args.budget} nodes, best first, min "
+      f"path prob {args.min_prob}; each step the engine's cost model (speculate=auto) picks a "
+      f"plain or a speculative shape and the nodes it verifies; plain = no drafter; buckets "
+      f"{args.buckets}; history = the previous epoch's plain responses",
+      "plain's times: mean of a run before and one after the drafting engines of its epoch "
+      "(same tokens), so run order favours no one",
+      "rollout time summed over the epochs each ran, drafting engine / plain: " + ", ".join(
+          f"{m} {ratio:.3f}" for m, ratio in summed_ratios(rows).items()),
       "draft ms/step = host drafting on the critical path (device idle); ahead ms/step = "
       "drafting in a background thread while the device verifies (+ahead / +ahead_only rows), "
       "hit = share of queries whose emitted tokens stayed inside their tree drafted ahead; "
