@@ -113,7 +113,6 @@ class HistoryDrafter:
     # Bumped whenever a history index is built or freed (postings ranges may move): with the
     # store's generation, the stamp a request's cached range is valid for.
     self._index_gen = 0
-    self._in_use: set = set()  # keys of the batch being drafted: never evicted meanwhile
     self._requests: dict[int, _Request] = {}
     self._groups: dict[Hashable, _Group] = {}
     self._idle_groups: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
@@ -164,14 +163,15 @@ class HistoryDrafter:
     pid = self.postings.add(self.arena, segs)
     self._index_gen += 1
     self._history[key] = (version, segs, pid)
-    while len(self._history) > self.index_cache:
-      oldest = next(iter(self._history))
-      if oldest in self._in_use:  # more prompts in one batch than the cache holds
-        break
-      self._free_history(oldest)
     self.stats["history_index_builds"] += 1
     self.stats["history_index_seconds"] += time.perf_counter() - t0
     return self.postings.range(pid)
+
+  def _trim_history(self) -> None:
+    """Frees the least recently used indexes beyond `index_cache`: after a batch is drafted,
+    so no index a query of the batch looked up goes while it is in use."""
+    while len(self._history) > self.index_cache:
+      self._free_history(next(iter(self._history)))
 
   def _free_history(self, key: Hashable) -> None:
     _, segs, pid = self._history.pop(key)
@@ -232,7 +232,6 @@ class HistoryDrafter:
         key = req.key
         if key is None:
           key = req.key = store_key(q.prompt_key)
-        self._in_use.add(key)
         h = req.history
         if h[0] != stamp:  # the store or the indexes changed since its last look-up
           lo, hi = self._history_range(key)
@@ -251,19 +250,19 @@ class HistoryDrafter:
           n_segs = at[1]
         slo, shi = at
       rows += (req.seg, slo, shi, budget, plo, phi)
-    if history:
-      self._in_use.clear()
-      if self._index_gen != gen0:  # an index built or freed meanwhile may have moved ranges
-        for r, req in enumerate(batch):
-          cached = self._history.get(req.key)
-          lo, hi = self.postings.range(cached[2]) if cached is not None else (0, 0)
-          req.history = (stamp, lo, hi)
-          rows[6 * r + 4:6 * r + 6] = lo, hi
+    if history and self._index_gen != gen0:  # an index built or freed may have moved ranges
+      for r, req in enumerate(batch):
+        cached = self._history.get(req.key)
+        lo, hi = self.postings.range(cached[2]) if cached is not None else (0, 0)
+        req.history = (stamp, lo, hi)
+        rows[6 * r + 4:6 * r + 6] = lo, hi
     n = len(batch)
     info = np.array(rows, np.int64).reshape(n, 6)
     q_segs = np.concatenate(seg_parts) if seg_parts else _NO_SEGS
     if not self.compiled:
-      return self._draft_reference(queries, info, q_segs)
+      out = self._draft_reference(queries, info, q_segs)
+      self._trim_history()
+      return out
     out_tok = np.empty((n, width), np.int32)
     out_par = np.empty((n, width), np.int32)
     out_prob = np.empty((n, width), np.float32)
@@ -274,6 +273,7 @@ class HistoryDrafter:
         max_match=self.max_match, min_prob=self.min_prob, decay=self.fallback_decay,
         max_levels=self.max_levels, kind_weights=(self.history_weight, self.sibling_weight),
         scratch=self._scratch, threads=threads)
+    self._trim_history()
     sizes = out_n.tolist()
     self._drafted_nodes = sum(sizes)
     return DraftBatch(out_tok, out_par, out_prob, sizes)

@@ -58,7 +58,9 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: step.StepOutput
-  rows: list  # (slot, _Live, drafted nodes, tree depth (-1: offered, none verified), their probs' sum)
+  # (slot, _Live, drafted nodes, depth of the verified tree (-1: nothing to learn), the sum of
+  # the verified nodes' drafter probabilities)
+  rows: list
   shape: tuple
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
   ahead: concurrent.futures.Future | None = None
@@ -439,14 +441,15 @@ class RolloutEngine:
         p, t = shape[1], shape[2]
         for k, i in enumerate(live_idx):
           n = take[k]
-          if not n and (len(cleaned[k][0]) or not queries[k].budget):
-            depths[i] = -1  # drafts unverified, or no room to draft: nothing learnt
-          if n:
-            toks, pars, probs = cleaned[k]
-            trees[i] = (toks[:n], pars[:n])
-            counts[i], depths[i] = n, int(_depths(pars[:n]).max())
-            if probs is not None:
-              offered[i] = float(probs[:n].sum())
+          if not n:
+            if len(cleaned[k][0]) or not queries[k].budget:
+              depths[i] = -1  # drafts unverified, or no room to draft: nothing learnt
+            continue
+          toks, pars, probs = cleaned[k]
+          trees[i] = (toks[:n], pars[:n])
+          counts[i], depths[i] = n, int(_depths(pars[:n]).max())
+          if probs is not None:
+            offered[i] = float(probs[:n].sum())
       draft_s = time.perf_counter() - td
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
