@@ -1,13 +1,13 @@
 """Rollout scheduling simulator: admission orders and shard plans on recorded length traces.
 
-Replays one GRPO step's requests (the last epoch of a trace) through `scheduling.simulate` (the
-engine's slots, shrinking buckets, measured step times, optional speculation and divided
-rollout) under each admission policy; history-based policies predict from the trace's earlier
-epochs only. Reports makespan, tail time (last 10% of requests), slot utilisation, ratios to the
+Replays one GRPO step's requests (the last epoch of a trace, or every step of a GRPO run)
+through `scheduling.simulate` (the engine's slots, shrinking buckets, measured step times,
+optional speculation and divided rollout) under each admission policy; history-based policies
+predict from the trace's earlier epochs only. Reports makespan, tail time (last 10% of requests), slot utilisation, ratios to the
 oracle order (true lengths, longest first) and the tail cut vs FIFO; prints the table and
 appends it to bench/RESULTS.md.
 
-Traces (`--trace`, repeatable):
+Traces (`--trace`, repeatable; read by bench/schedsim_traces.py):
   synthetic[:SEED]   a generated trace (log-normal prompt difficulty, per-sample noise, epoch
                      drift; 32 prompts x 8 samples x 2 epochs by default), clearly labelled;
   PATH.jsonl         one JSON object per line: {"prompt_key", "epoch", "lengths": [...],
@@ -16,9 +16,18 @@ Traces (`--trace`, repeatable):
   GLOB.npz           recorded rollouts (the drafts helper's `history.recording` format: one
                      file per epoch and prompt range; `lengths`, `prompt_index`,
                      `prompt_keys`, `prompt_lengths`, `meta_json` with the epoch), all files
-                     the glob matches forming one trace.
+                     the glob matches forming one trace;
+  grpo:DIR (or DIR)  a GRPO run's `--record_rollouts` directory: every training step after
+                     the first data epoch is one simulated rollout, predicted from what the
+                     trainer's history store held before it (bench/schedsim_grpo.py); the
+                     tables sum makespans and tail times over the steps.
+
+Slots scale with the step (--slots overrides): 64 h100 / 32 cpu rows for a 128-request step,
+8 / 4 for a 16-request one, so each slot serves 2 / 4 requests; the divided-rollout chunk is
+min(64, max_new_tokens / 4) (--chunk overrides).
 
   python bench/schedsim.py --trace synthetic:0 --trace '/work/recordings/gsm8k_T0.6_e*.npz'
+  python bench/schedsim.py --trace grpo:bench/data/grpo_quickstart
 """
 
 from __future__ import annotations
@@ -26,8 +35,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import json
 import os
 import sys
 
@@ -36,150 +43,18 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from rhyme_jax.scheduling.admission import RequestMeta, StaticPolicy, make_policy  # noqa: E402
-from rhyme_jax.scheduling.assignment import group_work, lpt_assign, plan_shards  # noqa: E402
-from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
+from bench.schedsim_grpo import StepCase, aggregate  # noqa: E402
+from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # noqa: E402,F401
+                                   load_trace, split_groups, step_jobs, synthetic_trace,
+                                   trace_cases, write_trace)
+from rhyme_jax.scheduling.admission import StaticPolicy, make_policy  # noqa: E402
+from rhyme_jax.scheduling.assignment import lpt_assign, plan_shards  # noqa: E402
 from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E402
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
-            "oracle_group", "oracle")
-
-
-@dataclasses.dataclass
-class Trace:
-  """Per-prompt response lengths by epoch, prompts in data order."""
-
-  name: str
-  keys: list
-  prompt_len: list[int]
-  lengths: list[dict[int, np.ndarray]]  # per prompt: {epoch: int64[G]}
-
-  @property
-  def epochs(self) -> list[int]:
-    return sorted({e for per in self.lengths for e in per})
-
-  def rank_correlation(self, a: int, b: int) -> float:
-    """Spearman correlation of per-prompt mean length between epochs a and b."""
-    both = [(p[a].mean(), p[b].mean()) for p in self.lengths if a in p and b in p]
-    x, y = np.array(both).T
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def synthetic_trace(seed: int = 0, num_prompts: int = 32, group_size: int = 8, epochs: int = 2,
-                    max_new_tokens: int = 512) -> Trace:
-  """Lengths = difficulty (log-normal per prompt, drifting a little per epoch) x per-sample
-  noise, capped at max_new_tokens; tuned to a between-epoch Spearman of about 0.8."""
-  rng = np.random.default_rng(seed)
-  difficulty = rng.lognormal(np.log(150), 0.55, num_prompts)
-  lengths = [dict() for _ in range(num_prompts)]
-  for e in range(epochs):
-    drift = difficulty * rng.lognormal(0.0, 0.1, num_prompts)
-    sample = drift[:, None] * rng.lognormal(0.0, 0.45, (num_prompts, group_size))
-    for i in range(num_prompts):
-      lengths[i][e] = np.clip(np.rint(sample[i]), 8, max_new_tokens).astype(np.int64)
-  return Trace(f"synthetic:{seed}", [f"synthetic-{i}" for i in range(num_prompts)],
-               [int(n) for n in rng.integers(90, 200, num_prompts)], lengths)
-
-
-def load_trace(path: str) -> Trace:
-  """A JSONL trace: per-group lines {prompt_key, epoch, lengths} or per-sample lines with
-  {prompt_key, epoch, length} (or a "tokens"/"response" list whose length is taken)."""
-  per: dict = collections.OrderedDict()
-  prompt_len: dict = {}
-  with open(path) as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-        key, epoch = row["prompt_key"], int(row["epoch"])
-        if "lengths" in row:
-          lens = [int(n) for n in row["lengths"]]
-        elif "length" in row:
-          lens = [int(row["length"])]
-        else:
-          lens = [len(row.get("tokens", row.get("response")))]
-      except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}:{lineno}: not a length-trace line ({e!r})") from e
-      if isinstance(key, list):
-        key = tuple(key)
-      per.setdefault(key, collections.defaultdict(list))[epoch].extend(lens)
-      if "prompt_len" in row:
-        prompt_len[key] = int(row["prompt_len"])
-      elif "prompt" in row and isinstance(row["prompt"], list):
-        prompt_len[key] = len(row["prompt"])
-  if not per:
-    raise ValueError(f"{path}: no trace lines")
-  keys = list(per)
-  return Trace(os.path.basename(path), keys, [prompt_len.get(k, 128) for k in keys],
-               [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
-
-
-def load_npz_trace(pattern: str) -> Trace:
-  """Recorded rollouts (`.npz`, see the module docstring) matching `pattern`, as one trace."""
-  paths = sorted(glob.glob(pattern))
-  if not paths:
-    raise ValueError(f"--trace {pattern}: no files match")
-  per: dict = collections.OrderedDict()
-  prompt_len: dict = {}
-  for path in paths:
-    try:
-      with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(str(z["meta_json"]))
-        keys = [str(k) for k in z["prompt_keys"]]
-        plens = z["prompt_lengths"].astype(np.int64)
-        for i, n in zip(z["prompt_index"].astype(np.int64), z["lengths"].astype(np.int64)):
-          per.setdefault(keys[i], collections.defaultdict(list))[int(meta["epoch"])].append(
-              int(n))
-          prompt_len[keys[i]] = int(plens[i])
-    except (KeyError, ValueError, OSError) as e:
-      raise ValueError(f"{path}: not a recorded rollout ({e!r})") from e
-  keys = list(per)
-  name = os.path.basename(pattern) + f" ({len(paths)} files)"
-  return Trace(name, keys, [prompt_len[k] for k in keys],
-               [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
-
-
-def split_groups(trace: Trace) -> Trace:
-  """A one-epoch trace as two: each prompt's first half of samples becomes the history
-  (epoch 0), the second half the step (epoch 1); both halves come from the same policy, as
-  consecutive epochs do when no training step runs between them."""
-  (epoch,) = trace.epochs
-  halves = []
-  for per in trace.lengths:
-    n = len(per[epoch]) // 2
-    halves.append({0: per[epoch][:n], 1: per[epoch][n:]})
-  return Trace(trace.name + " split in halves", trace.keys, trace.prompt_len, halves)
-
-
-def write_trace(trace: Trace, path: str) -> None:
-  with open(path, "w") as f:
-    for key, plen, per in zip(trace.keys, trace.prompt_len, trace.lengths):
-      for e in sorted(per):
-        f.write(json.dumps({"prompt_key": key, "epoch": e, "lengths": per[e].tolist(),
-                            "prompt_len": plen}) + "\n")
-
-
-def step_jobs(trace: Trace, epoch: int, max_new_tokens: int):
-  """The step's requests (prompts in data order, G samples each) with their true lengths."""
-  jobs = []
-  for i, (key, plen, per) in enumerate(zip(trace.keys, trace.prompt_len, trace.lengths)):
-    for n in per.get(epoch, ()):
-      rid = len(jobs)
-      jobs.append((RequestMeta(rid, i, key, rid, max_new_tokens, plen), max(int(n), 1)))
-  return jobs
-
-
-def history_predictor(trace: Trace, epoch: int, epochs_kept: int, stat: str) -> LengthPredictor:
-  table = LengthTable(epochs_kept)
-  for key, per in zip(trace.keys, trace.lengths):
-    for e in sorted(per):
-      if e < epoch:
-        table.add(key, e, per[e])
-  return LengthPredictor(table, stat)
+            "history_residual", "oracle_group", "oracle")
 
 
 def shard_plan(kind: str, jobs, predictor, shards: int):
@@ -207,22 +82,49 @@ class Scenario:
   budget: int = 16
   plan: str = "-"
   chunk: int = 0
+  keep_kv: bool = True  # divided rollout: a yielded request's KV stays (else re-prefilled)
+  kv_rows: float = 0  # history_residual's cap on started requests, x slots (0: none)
 
   def label(self) -> str:
     spec = f"a={self.accepted:g}@T{self.budget}" if self.accepted > 1 else "off"
     return (f"{self.table} | {self.shards}x{self.slots} | {'yes' if self.shrink else 'no'} | "
-            f"{spec} | {self.plan} | {self.chunk or '-'}")
+            f"{spec} | {self.plan} | "
+            f"{self.chunk_label()}")
+
+  def chunk_label(self) -> str:
+    if not self.chunk:
+      return "-"
+    return (f"{self.chunk}" + ("" if self.keep_kv else " re-prefill")
+            + (f" kv {self.kv_rows:g}x" if self.kv_rows else ""))
 
 
-def scenarios(args) -> list[Scenario]:
-  out = [Scenario("h100", 64), Scenario("h100", 64, shrink=False),
-         Scenario("h100", 64, accepted=args.accepted, budget=args.budget),
-         Scenario("cpu", 32), Scenario("cpu", 32, shrink=False)]
+def slot_counts(args, num_requests: int) -> tuple[int, int]:
+  """Rows per shard on the (h100, cpu) tables: --slots, else scaled to the step so a slot
+  serves 2 (h100) / 4 (cpu) requests as on the 128-request GSM8K trace (64 / 32 slots):
+  a step no larger than the slots admits everything at once, where no order can matter."""
+  if getattr(args, "slots", ""):
+    return tuple(int(x) for x in args.slots.split(","))
+  pow2 = lambda n: 1 << max(int(n), 1).bit_length() - 1
+  return min(64, pow2(num_requests / 2)), min(32, pow2(num_requests / 4))
+
+
+def scenarios(args, num_requests: int = 128, chunk: int = 64) -> list[Scenario]:
+  h, c = slot_counts(args, num_requests)
+  out = [Scenario("h100", h), Scenario("h100", h, shrink=False),
+         Scenario("h100", h, accepted=args.accepted, budget=args.budget),
+         Scenario("cpu", c), Scenario("cpu", c, shrink=False)]
   for plan in args.plans.split(","):
-    out.append(Scenario("h100", 16, shards=4, plan=plan))
-  out.append(Scenario("h100", 16, shards=4, plan="lpt_history", chunk=args.chunk))
-  out.append(Scenario("cpu", 8, shards=4, plan="lpt_history"))
-  out.append(Scenario("cpu", 8, shards=4, plan="lpt_history", chunk=args.chunk))
+    out.append(Scenario("h100", max(h // 4, 1), shards=4, plan=plan))
+  out.append(Scenario("h100", max(h // 4, 1), shards=4, plan="lpt_history", chunk=chunk))
+  out.append(Scenario("cpu", max(c // 4, 1), shards=4, plan="lpt_history"))
+  out.append(Scenario("cpu", max(c // 4, 1), shards=4, plan="lpt_history", chunk=chunk))
+  out += [Scenario("h100", h, chunk=chunk),  # divided rollout on one shard
+          Scenario("h100", h, accepted=args.accepted, budget=args.budget, chunk=chunk),
+          Scenario("cpu", c, chunk=chunk),
+          Scenario("h100", h, chunk=chunk, kv_rows=2),  # KV held for at most 2 x slots
+          Scenario("cpu", c, chunk=chunk, kv_rows=2),
+          Scenario("h100", h, chunk=chunk, keep_kv=False),  # KV dropped when a request yields
+          Scenario("cpu", c, chunk=chunk, keep_kv=False)]
   return out
 
 
@@ -243,13 +145,13 @@ class _TwoSteps:
     return 0
 
 
-def overlap_rows(trace, jobs, predictor, truth, args) -> list[list]:
+def overlap_rows(name, jobs, predictor, truth, slots) -> list[list]:
   """Cross-step alternation: the step's prompts split into two consecutive steps A (even) and
   B (odd); total time with a barrier between them vs with B admitted into A's tail."""
   groups = sorted({m.group_id for m, _ in jobs})
   step_b = set(groups[len(groups) // 2:])
   rows = []
-  for table_name, slots in (("h100", 64), ("cpu", 32)):
+  for table_name, slots in zip(("h100", "cpu"), slots):
     table = StepTimeTable.builtin(table_name)
     cfg = SimConfig(slots=slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1) if b <= slots),
                     prefill_ms_per_token=PREFILL_MS_PER_TOKEN[table_name])
@@ -263,130 +165,123 @@ def overlap_rows(trace, jobs, predictor, truth, args) -> list[list]:
       barrier = (simulate(a_jobs, lambda: pick(pa, 0), table, cfg).makespan_ms
                  + simulate(b_jobs, lambda: pick(pb, 1), table, cfg).makespan_ms)
       both = simulate(jobs, lambda: _TwoSteps(pick(pa, 0), pick(pb, 1), step_b), table, cfg)
-      rows.append([trace.name, f"{table_name} 1x{slots}", label, f"{barrier / 1e3:.2f}",
+      rows.append([name, f"{table_name} 1x{slots}", label, f"{barrier / 1e3:.2f}",
                    f"{both.makespan_ms / 1e3:.2f}", f"{both.makespan_ms / barrier:.3f}"])
   return rows
 
 
-def blind_draws(jobs, group_score, table, cfg, draws: int, seed: int) -> np.ndarray:
+def blind_draws(cases: list[StepCase], table, cfg, draws: int, seed: int) -> np.ndarray:
   """What an order that cannot tell one prompt's samples apart can reach on this trace.
 
   A prompt's G samples are exchangeable before they run, so any per-prompt order (history,
   probe-free) sees the same trace with each group's true lengths shuffled among its samples.
-  Per draw: (makespan / oracle, tail cut vs FIFO, decode steps of the per-prompt order),
-  for the order `group_score` (higher first; the step's true group means = the best per-prompt
-  knowledge). float64[draws, 3].
+  Per draw, summed over the cases (steps): (makespan / oracle, tail cut vs FIFO, decode steps
+  of the per-prompt order), for the order by the step's true group means (the best per-prompt
+  knowledge), longest first. float64[draws, 3].
   """
   rng = np.random.default_rng(seed)
-  by_group = collections.defaultdict(list)
-  for i, (m, _) in enumerate(jobs):
-    by_group[m.group_id].append(i)
   out = np.zeros((draws, 3))
   for d in range(draws):
-    lengths = [n for _, n in jobs]
-    for idx in by_group.values():
-      for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
-        lengths[i] = int(n)
-    shuffled = [(m, n) for (m, _), n in zip(jobs, lengths)]
-    truth = {m.request_id: n for m, n in shuffled}
-    oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)
-    fifo = simulate(shuffled, lambda: make_policy("fifo"), table, cfg)
-    grp = simulate(shuffled, lambda: StaticPolicy("group", lambda m: group_score[m.group_id]),
-                   table, cfg)
-    out[d] = (grp.makespan_ms / oracle.makespan_ms,
-              1 - grp.tail_ms / fifo.tail_ms if fifo.tail_ms > 0 else 0.0, grp.steps)
+    sums = np.zeros(5)  # group makespan, oracle makespan, group tail, fifo tail, group steps
+    for case in cases:
+      by_group = collections.defaultdict(list)
+      for i, (m, _) in enumerate(case.jobs):
+        by_group[m.group_id].append(i)
+      lengths = [n for _, n in case.jobs]
+      for idx in by_group.values():
+        for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
+          lengths[i] = int(n)
+      shuffled = [(m, n) for (m, _), n in zip(case.jobs, lengths)]
+      truth = {m.request_id: n for m, n in shuffled}
+      score = case.group_mean
+      oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)
+      fifo = simulate(shuffled, lambda: make_policy("fifo"), table, cfg)
+      grp = simulate(shuffled, lambda: StaticPolicy("group", lambda m: score[m.group_id]),
+                     table, cfg)
+      sums += (grp.makespan_ms, oracle.makespan_ms, grp.tail_ms, fifo.tail_ms, grp.steps)
+    out[d] = (sums[0] / sums[1], 1 - sums[2] / sums[3] if sums[3] > 0 else 0.0, sums[4])
   return out
 
 
 def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
   """(detail rows, summary rows, cross-step rows, notes) for every trace."""
-  traces = []
-  for spec in args.trace:
-    if spec.startswith("synthetic"):
-      seed = int(spec.split(":")[1]) if ":" in spec else 0
-      traces.append(synthetic_trace(seed, max_new_tokens=args.max_new_tokens))
-    elif spec.endswith(".npz"):
-      traces.append(load_npz_trace(spec))
-    else:
-      traces.append(load_trace(spec))
   detail, summary, overlap, notes = [], [], [], []
   args.blind_rows = []
-  for trace in traces:
-    if len(trace.epochs) == 1 and args.split_groups:
-      trace = split_groups(trace)
-    epochs = trace.epochs
-    if len(epochs) < 2:
-      raise ValueError(f"--trace {trace.name}: needs >= 2 epochs (history, then the step), "
-                       f"or --split_groups")
-    target = epochs[-1]
-    jobs = step_jobs(trace, target, args.max_new_tokens)
-    lengths = np.array([n for _, n in jobs])
-    notes.append(f"trace {trace.name}: {len(trace.keys)} prompts, {len(jobs)} requests in "
-                 f"epoch {target} (predicted from epochs {epochs[:-1]}), length mean "
-                 f"{lengths.mean():.0f} / max {lengths.max()}, Spearman of prompt mean length "
-                 f"between epochs {epochs[-2]} and {target}: "
-                 f"{trace.rank_correlation(epochs[-2], target):.2f}")
-    predictor = history_predictor(trace, target, args.epochs_kept, args.stat)
-    truth = {m.request_id: n for m, n in jobs}
-    group_mean = collections.defaultdict(list)
-    for m, n in jobs:
-      group_mean[m.group_id].append(n)
-    group_mean = {g: float(np.mean(v)) for g, v in group_mean.items()}
-    overlap += overlap_rows(trace, jobs, predictor, truth, args)
-    for sc in scenarios(args):
+  for spec in args.trace:
+    name, cases = trace_cases(spec, args, notes)
+    num_requests = len(cases[0].jobs)
+    chunk = args.chunk or max(min(64, cases[0].jobs[0][0].max_new_tokens // 4), 1)
+    if len(cases) == 1:  # cross-step alternation: the step split in two
+      c = cases[0]
+      overlap += overlap_rows(name, c.jobs, c.predictor, c.truth,
+                              slot_counts(args, num_requests))
+    for sc in scenarios(args, num_requests, chunk):
       table = StepTimeTable.builtin(sc.table)
       cfg = SimConfig(slots=sc.slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1)
                                                     if b <= sc.slots),
                       shrink=sc.shrink, shards=sc.shards,
                       accepted=((sc.budget, sc.accepted),) if sc.accepted > 1 else (),
                       prefill_ms_per_token=PREFILL_MS_PER_TOKEN[sc.table],
-                      divided=DividedRollout(sc.chunk))
-      plan = shard_plan(sc.plan, jobs, predictor, sc.shards) if sc.shards > 1 else None
-      results = {}
-      for name in POLICIES:
-        def factory(name=name):
-          if name == "oracle_group":  # the best any per-prompt predictor could do
-            return StaticPolicy(name, lambda m: group_mean[m.group_id])
-          # history_alt is shown on an odd step: short-to-long, HistoPipe's other half.
-          return make_policy(name, predictor=predictor, step=1, seed=args.seed,
-                             true_lengths=truth)
-        res = simulate(jobs, factory, table, cfg, plan)
-        assert abs(res.tokens - lengths.sum()) < 1e-6, "simulator lost or invented tokens"
-        results[name] = res
+                      divided=DividedRollout(sc.chunk, sc.keep_kv))
+      per_step = {p: [] for p in POLICIES}
+      for case in cases:
+        plan = (shard_plan(sc.plan, case.jobs, case.predictor, sc.shards) if sc.shards > 1
+                else None)
+        group_mean, truth = case.group_mean, case.truth
+        for pol in POLICIES:
+          def factory(pol=pol):
+            if pol == "oracle_group":  # the best any per-prompt predictor could do
+              return StaticPolicy(pol, lambda m: group_mean[m.group_id])
+            # history_alt is shown on an odd step: short-to-long, HistoPipe's other half.
+            return make_policy(pol, predictor=case.predictor, step=1, seed=args.seed,
+                               true_lengths=truth,
+                               kv_budget=int(sc.kv_rows * sc.slots) if sc.kv_rows else None)
+          res = simulate(case.jobs, factory, table, cfg, plan)
+          assert abs(res.tokens - case.lengths.sum()) < 1e-6, "simulator lost or invented tokens"
+          per_step[pol].append(res)
+      results = {p: aggregate(v) for p, v in per_step.items()}
       oracle, fifo = results["oracle"], results["fifo"]
       cut = lambda r: (f"{100 * (1 - r.tail_ms / fifo.tail_ms):.0f}%" if fifo.tail_ms > 0
                        else "-")
-      summary.append([trace.name, *sc.label().split(" | ")]
+      label = sc.label().split(" | ")
+      summary.append([name, *label]
                      + [f"{results['history'].makespan_ms / 1e3:.2f}"]
                      + [f"{results[p].makespan_ms / oracle.makespan_ms:.3f}" for p in POLICIES[:-1]]
-                     + [cut(results["history"]), cut(results["probe"]), cut(oracle)])
-      if sc.shards == 1 and sc.shrink and sc.accepted == 1:  # the main scenarios in full
-        for name, res in results.items():
-          detail.append([trace.name, sc.label().split(" | ")[0], sc.label().split(" | ")[1],
-                         name, f"{res.makespan_ms / 1e3:.2f}", f"{res.tail_ms / 1e3:.2f}",
-                         f"{res.utilisation:.3f}", f"{res.makespan_ms / oracle.makespan_ms:.3f}",
-                         (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
-                         cut(res)])
-        h = results["history"]
-        if args.blind_draws:
-          b = blind_draws(jobs, group_mean, table, cfg, args.blind_draws, args.seed)
-          args.blind_rows.append([
-              trace.name, sc.table, f"1x{sc.slots}", lengths.max(),
-              int(np.ceil(lengths.sum() / sc.slots)), oracle.steps, results["history"].steps,
-              f"{b[:, 2].mean():.0f} ({b[:, 2].min():.0f}-{b[:, 2].max():.0f})",
-              f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
-              f"{100 * b[:, 1].max():.0f}%"])
-        notes.append(f"targets, {trace.name} [{sc.table} 1x{sc.slots}]: history makespan / "
-                     f"oracle {h.makespan_ms / oracle.makespan_ms:.3f} (target <= 1.02; "
-                     f"/ oracle_group {h.makespan_ms / results['oracle_group'].makespan_ms:.3f}),"
-                     f" tail cut vs FIFO {cut(h)} (target >= 75%)")
+                     + [cut(results[p]) for p in ("history", "probe", "history_residual",
+                                                  "oracle")])
+      if sc.shards > 1 or not sc.shrink or sc.accepted > 1:
+        continue
+      for pol, res in results.items():  # the main and divided scenarios in full
+        detail.append([name, label[0], label[1], label[5], pol, f"{res.makespan_ms / 1e3:.2f}",
+                       f"{res.tail_ms / 1e3:.2f}", f"{res.utilisation:.3f}", res.peak_started,
+                       f"{res.makespan_ms / oracle.makespan_ms:.3f}",
+                       (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
+                       cut(res)])
+      if args.blind_draws and not sc.chunk:
+        b = blind_draws(cases, table, cfg, args.blind_draws, args.seed)
+        lengths = np.concatenate([c.lengths for c in cases])
+        args.blind_rows.append([
+            name, sc.table, f"1x{sc.slots}", lengths.max(),
+            int(sum(np.ceil(c.lengths.sum() / sc.slots) for c in cases)), oracle.steps,
+            results["history"].steps,
+            f"{b[:, 2].mean():.0f} ({b[:, 2].min():.0f}-{b[:, 2].max():.0f})",
+            f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
+            f"{100 * b[:, 1].max():.0f}%"])
+      for pol in ("history", "history_residual") if sc.chunk else ("history",):
+        h = results[pol]
+        notes.append(f"targets, {name} [{sc.table} 1x{sc.slots}"
+                     f"{f', chunk {label[5]}' if sc.chunk else ''}]: {pol} makespan / oracle "
+                     f"{h.makespan_ms / oracle.makespan_ms:.3f} (target <= 1.02; / oracle_group "
+                     f"{h.makespan_ms / results['oracle_group'].makespan_ms:.3f}), tail cut vs "
+                     f"FIFO {cut(h)} (target >= 75%)")
   return detail, summary, overlap, notes
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--trace", action="append", default=None,
-                  help="synthetic[:SEED] or a JSONL trace file (repeatable)")
+                  help="synthetic[:SEED], a JSONL trace, a GLOB.npz of recordings or "
+                       "grpo:RUN_DIR (a GRPO run's recorded rollouts) (repeatable)")
   ap.add_argument("--max_new_tokens", type=int, default=512)
   ap.add_argument("--stat", default="mean", help="group statistic the predictor ranks")
   ap.add_argument("--epochs_kept", type=int, default=1)
@@ -394,7 +289,11 @@ def main(argv=None) -> None:
                   help="mean accepted length at --budget for the speculation scenario")
   ap.add_argument("--budget", type=int, default=16)
   ap.add_argument("--plans", default="data_order,lpt_history,lpt_oracle")
-  ap.add_argument("--chunk", type=int, default=64, help="divided-rollout chunk (tokens)")
+  ap.add_argument("--chunk", type=int, default=0,
+                  help="divided-rollout chunk (tokens); 0 = min(64, max_new_tokens / 4)")
+  ap.add_argument("--slots", default="",
+                  help="H,C: rows per shard on the h100 / cpu tables (default: scaled to the "
+                       "step, 64 / 32 for 128 requests)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
@@ -410,13 +309,14 @@ def main(argv=None) -> None:
     return
   detail, summary, overlap, notes = run(args)
   table = common.markdown_table(
-      ["trace", "table", "shards x slots", "policy", "makespan s", "tail s", "slot util",
-       "makespan / oracle", "tail / oracle", "tail cut vs fifo"], detail)
+      ["trace", "table", "shards x slots", "chunk", "policy", "makespan s", "tail s", "slot util",
+       "peak started", "makespan / oracle", "tail / oracle", "tail cut vs fifo"], detail)
   table += ("\n\nEvery scenario: the history order's makespan (compare plans by it), makespan / "
             "oracle per policy (same trace, plan and step times in a row), tail cut vs FIFO\n\n")
   table += common.markdown_table(
       ["trace", "table", "shards x slots", "shrink", "spec", "plan", "chunk", "history s"]
-      + [p for p in POLICIES[:-1]] + ["tail cut: history", "probe", "oracle"], summary)
+      + [p for p in POLICIES[:-1]] + ["tail cut: history", "probe", "history_residual", "oracle"],
+      summary)
   if args.blind_rows:
     table += (f"\n\nWhat any per-prompt order can reach: the step's true per-prompt mean "
               f"lengths, longest first, over {args.blind_draws} draws of each prompt's lengths "
@@ -447,7 +347,9 @@ def main(argv=None) -> None:
         f"previous epoch's group {args.stat} (rank-mapped), longest first; history_alt = the "
         "odd-step half of the cross-step alternation (short first); probe = Seer probe-first "
         "(no history); history_probe = probes ordered by history, then max sibling so far; "
-        "oracle_group = the step's true per-prompt mean length, longest first (the best any "
+        "history_residual = longest expected remaining work first, E[L - n | L > n] over the "
+        "prompt's history for a request that has n tokens (equal to history unless requests "
+        "yield: chunk scenarios); oracle_group = the step's true per-prompt mean length, longest first (the best any "
         "per-prompt predictor can do: samples of one prompt are indistinguishable before they "
         "run)",
         "the device line names the machine that ran the simulation, not the one the step "
@@ -456,6 +358,15 @@ def main(argv=None) -> None:
         "the h100 table is flat at budget 0 once made non-decreasing (3.63 ms at 1..64 rows: the "
         "135M model's step is launch-bound), so bucket shrinking changes nothing there (shrink "
         "yes/no rows equal); the cpu table grows with rows, where shrinking matters",
+        "chunk = divided rollout (a request yields its slot every chunk tokens and is "
+        "requeued); static orders resume it at once on one shard (no preemption), online ones "
+        "(probe, history_residual) may start another request instead. A displaced request's "
+        "KV stays resident (peak started = most requests started and unfinished at once, the "
+        "sequences whose KV is held, vs the slots); 'kv 2x' caps history_residual's started "
+        "requests at 2 x slots; 're-prefill' drops the KV on yield and recomputes prompt + "
+        "generated tokens on a displaced resumption at the table's batch-1 prefill rate, "
+        "serially (an upper bound on that cost). The oracle is the non-preemptive longest-first "
+        "order, which a preemptive policy can beat (ratios < 1)",
     ] + notes + args.note
     common.append_results("Rollout scheduling simulator (bench/schedsim.py)", table, notes)
 

@@ -12,7 +12,10 @@ How an engine uses a policy (the rollout engine through `EngineOrder`):
     i = policy.next_to_admit(queue, finished, live)  # finished: {request_id: length},
     meta = queue.pop(i)                             # live: {request_id: tokens so far}
 Static policies (`online = False`) always return 0 from an ordered queue, so the engine may pop
-from the front; online ones (probe-first) re-rank as siblings finish. A policy assumes the
+from the front; online ones re-rank as siblings finish (probe-first) or as yielded requests
+rejoin the queue in divided rollout (history_residual: longest expected remaining first,
+`ResidualPolicy`; the rollout engine does not divide requests, bench/schedsim.py does). A
+policy assumes the
 request it returns is admitted.
 
 HistoPipe's cross-step alternation: `predicted_policy(predictor, step=k, alternate=True)` orders
@@ -29,7 +32,8 @@ import numpy as np
 
 from rhyme_jax.scheduling.predictor import LengthPredictor
 
-POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe", "oracle")
+POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
+            "history_residual", "oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +181,61 @@ class ContextAwarePolicy:
     return best
 
 
+class ResidualPolicy:
+  """Longest expected remaining work first, re-ranked as requests run (for divided rollout).
+
+  LRPT (longest remaining processing time first) minimises the makespan of preemptible jobs
+  on identical machines when remaining times are known; here they are expected values: a queued
+  request of prompt k that already generated n tokens (it yielded its slot, Seer's divided
+  rollout) still needs E[L - n | L > n] over k's history lengths
+  (`LengthPredictor.remaining_tokens`). A request that has run long is thereby predicted long
+  (its short siblings' lengths drop out of the conditional), a request at the cap of a prompt
+  whose history ends short is predicted short, and before anything runs (n = 0) this is the
+  prompt's mean history length, i.e. the "history" order. Without divided rollout no queued
+  request has started, so it orders as "history" does (up to the rank mapping across epochs).
+
+  Ranking every unstarted request against the yielded ones starts nearly all of them early
+  (each is a fresh E[L] against a shrinking residual), so their KV must be kept for up to R
+  sequences where the engine has `slots` rows. `kv_budget` caps the started-and-unfinished
+  requests (the KV pool's sequence capacity): at the cap only started requests resume.
+
+  Reads tokens-so-far of queued requests from `live` (the simulator keeps a yielded request's
+  count there, so len(live) = requests started and unfinished); ties go to data order,
+  identical on every host.
+  """
+
+  online = True
+  name = "history_residual"
+
+  def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None):
+    if kv_budget is not None and kv_budget < 1:
+      raise ValueError(f"ResidualPolicy: kv_budget={kv_budget}: must be >= 1 or None")
+    self.predictor, self.kv_budget = predictor, kv_budget
+    self._cache: dict[tuple[Hashable, int, int], float] = {}
+
+  def remaining(self, meta: RequestMeta, generated: int) -> float:
+    cap = meta.max_new_tokens or (1 << 30)
+    k = (meta.prompt_key, int(generated), cap)
+    if k not in self._cache:
+      self._cache[k] = self.predictor.remaining_tokens(meta.prompt_key, int(generated), cap)
+    return self._cache[k]
+
+  def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
+    self._cache = {}
+    perm = longest_first([self.remaining(m, 0) for m in queue], [m.index for m in queue])
+    return [queue[i] for i in perm]
+
+  def next_to_admit(self, queue, finished, live) -> int:
+    del finished
+    if not queue:
+      raise IndexError(f"{self.name}.next_to_admit: empty queue")
+    pick = range(len(queue))
+    if self.kv_budget is not None and len(live) >= self.kv_budget:
+      pick = [i for i in pick if queue[i].request_id in live] or pick
+    return min(pick, key=lambda i: (-self.remaining(queue[i], live.get(queue[i].request_id, 0)),
+                                    queue[i].index))
+
+
 class EngineOrder:
   """An `AdmissionPolicy` as the rollout engine's `AdmissionOrder` (which speaks `Request`s):
 
@@ -208,13 +267,15 @@ class EngineOrder:
 
 
 def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,
-                seed: int = 0, true_lengths: Mapping[int, int] | None = None) -> AdmissionPolicy:
-  """A policy by name (one of POLICIES); names the missing input when one is needed."""
+                seed: int = 0, true_lengths: Mapping[int, int] | None = None,
+                kv_budget: int | None = None) -> AdmissionPolicy:
+  """A policy by name (one of POLICIES); names the missing input when one is needed.
+  `kv_budget`: "history_residual"'s cap on started-and-unfinished requests."""
   if name == "fifo":
     return fifo_policy()
   if name == "random":
     return random_policy(seed)
-  if name in ("history", "history_alt", "history_probe") and predictor is None:
+  if name.startswith("history") and predictor is None:
     raise ValueError(f"admission policy {name!r} needs a length predictor")
   if name == "history":
     return predicted_policy(predictor, step)
@@ -224,6 +285,8 @@ def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: in
     return ContextAwarePolicy()
   if name == "history_probe":
     return ContextAwarePolicy(predictor)
+  if name == "history_residual":
+    return ResidualPolicy(predictor, kv_budget)
   if name == "oracle":
     if true_lengths is None:
       raise ValueError("admission policy 'oracle' needs the true lengths")

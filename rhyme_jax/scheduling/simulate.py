@@ -14,9 +14,14 @@ of requests not yet started, under a static order), and a shard whose queue ran 
 requests from the longest other queue, so work moves off a loaded shard mid-response and the
 tail spreads over shards (smaller buckets each). Resuming on the shard it left costs nothing (its KV stays there);
 resuming elsewhere costs a re-prefill of prompt + generated tokens (no global KV pool here).
+Keeping the KV of a yielded request that another one displaced needs room for more sequences
+than rows (`SimResult.peak_started` counts them); with `keep_kv=False` the KV is dropped
+instead, and every resumption that is not immediate pays the re-prefill too.
 
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
-frees, `should_yield(generated_since_admission)` from `DividedRollout` after each step.
+frees, `should_yield(generated_since_admission)` from `DividedRollout` after each step. The
+`live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
+queued (what an online policy needs to rank a resumption).
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from rhyme_jax.scheduling.step_time import StepTimeTable, bucket_for
 
 @dataclasses.dataclass(frozen=True)
 class DividedRollout:
-  """Seer's divided rollout: a live request yields its slot after `chunk` tokens (0 = never)."""
+  """Seer's divided rollout: a live request yields its slot after `chunk` tokens (0 = never);
+  `keep_kv`: a yielded request's KV stays on its shard (else it is recomputed on resumption)."""
 
   chunk: int = 0
+  keep_kv: bool = True
 
   def should_yield(self, generated_since_admission: float) -> bool:
     return self.chunk > 0 and generated_since_admission >= self.chunk
@@ -69,6 +76,7 @@ class _Job:
   progress: float = 0.0
   since: float = 0.0  # progress when last admitted
   shard: int = -1  # shard it last ran on
+  yielded_at: int = -1  # its shard's step count when it last yielded
 
 
 @dataclasses.dataclass
@@ -83,6 +91,7 @@ class SimResult:
   prefill_tokens: int
   migrations: int  # resumptions on another shard (divided rollout)
   shard_end_ms: np.ndarray
+  peak_started: int = 0  # most requests started and unfinished at once (KV held), all shards
 
 
 def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
@@ -124,7 +133,9 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   finish_at: dict[int, float] = {}
   t = [0.0] * cfg.shards
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
-  steps = spec_steps = prefill_tokens = migrations = 0
+  steps = spec_steps = prefill_tokens = migrations = peak_started = 0
+  shard_steps = [0] * cfg.shards
+  started = 0
   tokens = busy = now = 0.0
 
   def donor(s: int) -> int | None:
@@ -148,9 +159,12 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     while len(rows[s]) < cfg.slots and (d := donor(s)) is not None:
       queue = queues[d]
       j = queue.pop(policies[d].next_to_admit([x.meta for x in queue], finished, live_len))
-      if j.progress == 0 or j.shard != s:
+      resumed_in_place = j.shard == s and (cfg.divided.keep_kv or
+                                           j.yielded_at == shard_steps[s])
+      if j.progress == 0 or not resumed_in_place:
         prefill += j.meta.prompt_len + int(j.progress)
-        migrations += j.progress > 0
+        migrations += j.progress > 0 and j.shard != s
+      started += j.progress == 0
       j.shard, j.since = s, j.progress
       rows[s].append(j)
       live_len[j.meta.request_id] = int(j.progress)
@@ -162,6 +176,8 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     dt = table.ms(bucket, budget)
     t[s] += dt
     steps += 1
+    shard_steps[s] += 1
+    peak_started = max(peak_started, started)
     spec_steps += budget > 0
     busy += live * dt
     keep, yielded = [], []
@@ -174,11 +190,13 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         finished[rid] = j.length
         finish_at[rid] = t[s]
         live_len.pop(rid, None)
+        started -= 1
         continue
       live_len[rid] = int(j.progress)
       (yielded if cfg.divided.should_yield(j.progress - j.since) else keep).append(j)
     rows[s] = keep
     for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
+      j.yielded_at = shard_steps[s]
       d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
       if policies[d].online:
         queues[d].append(j)
@@ -188,4 +206,4 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   makespan = float(finish.max()) if len(finish) else 0.0
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
-                   tokens, prefill_tokens, migrations, np.array(t))
+                   tokens, prefill_tokens, migrations, np.array(t), peak_started)

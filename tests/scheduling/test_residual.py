@@ -1,0 +1,80 @@
+"""history_residual (`admission.ResidualPolicy`): longest expected remaining work first, where a
+request that already ran is ranked by E[L - n | L > n] over its prompt's history; its KV cap;
+and the simulator's divided rollout with it (hand-computed schedule, KV dropped or kept)."""
+
+import numpy as np
+import pytest
+
+from rhyme_jax.scheduling.admission import RequestMeta, ResidualPolicy, make_policy
+from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+from rhyme_jax.scheduling.simulate import DividedRollout, SimConfig, simulate
+from rhyme_jax.scheduling.step_time import StepTimeTable
+
+FLAT = StepTimeTable({(1, 0): 1.0, (64, 0): 1.0})
+
+
+def _predictor(history):
+  table = LengthTable()
+  for key, lengths in history.items():
+    table.add(key, 0, lengths)
+  return LengthPredictor(table)
+
+
+def _jobs(groups, prompt_len=0):
+  """[(meta, length)] for {prompt key: true lengths}, groups and samples in data order."""
+  jobs = []
+  for g, (key, lengths) in enumerate(groups.items()):
+    for n in lengths:
+      jobs.append((RequestMeta(len(jobs), g, key, len(jobs), 1000, prompt_len), n))
+  return jobs
+
+
+def test_a_request_that_ran_long_is_predicted_long():
+  pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
+  pol = ResidualPolicy(pred)
+  a, b = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
+  assert pol.remaining(a, 0) == pytest.approx(32.5) and pol.remaining(b, 0) == 40
+  assert pol.remaining(a, 20) == 80  # its short siblings drop out: only the 100 outran 20
+  assert pol.remaining(b, 20) == 20
+  assert [m.request_id for m in pol.order([a, b])] == [1, 0]  # n = 0: the history order
+  assert pol.next_to_admit([a, b], {}, {0: 20}) == 0  # a ran 20 tokens: 80 left beats 40
+  assert pol.next_to_admit([a, b], {}, {1: 20}) == 0  # b ran 20: 20 left loses to 32.5
+  # At its cap of started requests only a started one resumes.
+  capped = ResidualPolicy(pred, kv_budget=1)
+  assert capped.next_to_admit([a, b], {}, {1: 20}) == 1
+  assert capped.next_to_admit([a, b], {}, {}) == 1
+  with pytest.raises(ValueError, match="kv_budget"):
+    ResidualPolicy(pred, kv_budget=0)
+  with pytest.raises(ValueError, match="needs a length predictor"):
+    make_policy("history_residual")
+
+
+def test_divided_rollout_hand_computed():
+  # Two rows, chunk 5. p1 (12, 12) is predicted longer than p0 (mean 11.25), so both orders
+  # start p1. The static order resumes each yielded request at once (no preemption): p1 ends
+  # at 12, p0's first pair at 17, its 30-token sample runs alone from 17 to 47.
+  truth = {"p0": [5, 5, 5, 30], "p1": [12, 12]}
+  jobs = _jobs({"p1": truth["p1"], "p0": truth["p0"]})
+  pred = _predictor(truth)
+  cfg = SimConfig(slots=2, buckets=(2, 1), divided=DividedRollout(5))
+  hist = simulate(jobs, lambda: make_policy("history", predictor=pred), FLAT, cfg)
+  assert hist.makespan_ms == 47.0 and hist.peak_started == 2
+  # Residual: after 5 tokens p1 has 7 left, p0's unstarted 11.25, so p0 runs; its 30-token
+  # sample shows itself at 5 tokens (25 left) and keeps a row to the end: 15 + 25 = 40.
+  res = simulate(jobs, lambda: make_policy("history_residual", predictor=pred), FLAT, cfg)
+  assert res.makespan_ms == 40.0 and res.peak_started == 4 and res.tokens == 69
+  assert res.prefill_tokens == 0  # KV kept: resuming in place is free
+  # Capped at 2 started requests it cannot displace p1: the static order's schedule.
+  capped = simulate(jobs, lambda: make_policy("history_residual", predictor=pred, kv_budget=2),
+                    FLAT, cfg)
+  assert capped.makespan_ms == 47.0 and capped.peak_started == 2
+  # KV dropped on yield: a displaced request re-prefills prompt + generated tokens on resuming
+  # (the immediate resumptions of the static order stay free).
+  drop = SimConfig(slots=2, buckets=(2, 1), divided=DividedRollout(5, keep_kv=False),
+                   prefill_ms_per_token=0.5)
+  jobs_p = _jobs({"p1": truth["p1"], "p0": truth["p0"]}, prompt_len=3)
+  hist_d = simulate(jobs_p, lambda: make_policy("history", predictor=pred), FLAT, drop)
+  assert hist_d.prefill_tokens == 3 * len(jobs_p)
+  res_d = simulate(jobs_p, lambda: make_policy("history_residual", predictor=pred), FLAT, drop)
+  assert res_d.prefill_tokens > 3 * len(jobs_p) and res_d.makespan_ms > 40.0
+  assert np.all(res_d.finish_ms > 0) and res_d.tokens == 69
