@@ -1,14 +1,28 @@
 """The engine's cost model: what a step of each compiled shape costs, what drafts are worth.
 
 Step times per shape (bucket B, packed size P, tokens per row T, cache bucket S) are measured
-at warm-up and refined online with an exponential moving average of whole loop iterations
-(device, host sync, drafting and bookkeeping: what a step really costs the rollout). Each
-request's acceptance rate is estimated from its own history with a prior from all requests.
-A drafter's path probabilities are calibrated the same way: counts of past epochs and of
-siblings are confident (a path all siblings took gets probability 1) but sampling often leaves
-them, so each request's accepted nodes over the probabilities it was offered (own history over a
-prior from all requests) scales them. A step then verifies the nodes, and picks the shape, with
-the most expected tokens per second; when no shape beats the plain step, the step is plain.
+at warm-up and refined online with an exponential moving average of what each step really costs
+the rollout (the engine times completion to completion: device time, host sync, drafting and
+bookkeeping, and the idle device while the host drafts). The machine's speed drifts (other jobs,
+clocks): plain steps, observed every few steps, measure it against their warm-up times, and a
+shape last observed at another speed (a speculative shape seldom chosen, say) is rescaled by the
+drift since, so a stale estimate neither hides nor flatters speculation. Each request's
+acceptance rate is estimated from its own history with a prior from all requests.
+
+A drafter's path probabilities are calibrated per tree depth. Counts of past epochs and of
+siblings are confident (a path all siblings took gets probability 1 at every depth) while
+sampling leaves them more often the deeper the path goes: on SmolLM2 GSM8K history drafts,
+rows offered under 2 units of probability accepted ~60% of it, rows offered 8 accepted ~20%.
+One scale factor for all depths therefore over-values deep chains. So, over all requests
+(decayed), accepted nodes at depth d over the probability offered at depth d scale a node of
+depth d; each request's own accepted tokens over what that predicted for it (shrunk toward 1)
+scale its nodes once more. A step then verifies the nodes, and picks the shape, with the most
+expected tokens per second; when no shape beats the plain step, the step is plain.
+
+Choosing by estimates favours the rows and steps whose estimates are high by chance (the
+winner's curse): on SmolLM2 GSM8K history drafts the chosen steps accepted ~20% fewer tokens
+than the estimates they were chosen for. So the gains of a choice are scaled by what chosen
+steps accepted over what they were expected to (all requests, decayed; prior 1).
 """
 
 from __future__ import annotations
@@ -44,24 +58,78 @@ class _Ratio:
     self.tried = 0.99 * self.tried + tried
 
 
+@dataclasses.dataclass
+class _DepthCalibration:
+  """Accepted draft nodes per unit of drafter probability offered, per tree depth.
+
+  Depth d's ratio over all requests (decayed) is shrunk toward depth d - 1's (depth 1's toward
+  0.5), so a depth seldom verified borrows from the one above it. A request's own factor is its
+  accepted nodes over the nodes those ratios predicted for it, shrunk toward 1.
+  """
+
+  prior_strength: float
+  decay: float = 0.99
+  accepted_D: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+  offered_D: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+  own: dict = dataclasses.field(default_factory=dict)  # request id -> [accepted, predicted]
+
+  def ratios(self, depth: int) -> np.ndarray:
+    """Shared ratio of depths 1..depth."""
+    out, prev = np.empty(depth), 0.5
+    for d in range(depth):
+      a, o = (self.accepted_D[d], self.offered_D[d]) if d < len(self.offered_D) else (0.0, 0.0)
+      prev = out[d] = (a + prev) / (o + 1.0)  # prior: one unit of probability at the ratio above
+    return out
+
+  def factor(self, request_id: Hashable) -> float:
+    a, e = self.own.get(request_id, (0.0, 0.0))
+    return (a + self.prior_strength) / (e + self.prior_strength)
+
+  def add(self, request_id: Hashable, accepted: int, offered_D: np.ndarray) -> None:
+    depth = len(offered_D)
+    predicted = float(offered_D @ self.ratios(depth))
+    own = self.own.setdefault(request_id, [0.0, 0.0])
+    own[0] += accepted
+    own[1] += predicted
+    if depth > len(self.offered_D):
+      self.accepted_D = np.pad(self.accepted_D, (0, depth - len(self.accepted_D)))
+      self.offered_D = np.pad(self.offered_D, (0, depth - len(self.offered_D)))
+    self.accepted_D *= self.decay
+    self.offered_D *= self.decay
+    self.accepted_D[:min(accepted, depth)] += 1.0  # one node accepted at each depth reached
+    self.offered_D[:depth] += offered_D
+
+
 class CostModel:
   """Step times per shape and per-request acceptance, and the choice they imply."""
 
   def __init__(self, ema: float = 0.25, prior_strength: float = 4.0):
     self.ema = ema
     self.prior_strength = prior_strength
-    self.seconds: dict[Shape, float] = {}
+    self.seconds: dict[Shape, float] = {}  # per shape: EMA of its observed step times
+    self.warm: dict[Shape, float] = {}  # per shape: its warm-up time
+    # The machine's speed now against warm-up (observed / warm-up time of plain steps, EMA),
+    # and what it was when each shape was last observed.
+    self.speed = 1.0
+    self._speed_at: dict[Shape, float] = {}
     # Accepted draft nodes over depth levels tested (accepted + the one that failed, if any).
     self._alpha = _Ratio(prior_strength)
-    # Accepted draft nodes over the sum of the (uncalibrated) drafter probabilities verified.
-    self._cal = _Ratio(prior_strength)
+    # Accepted draft nodes per unit of (uncalibrated) drafter probability verified, per depth.
+    self._cal = _DepthCalibration(prior_strength)
+    # Accepted draft nodes of chosen steps over the gains expected of them (decayed).
+    self._realised = [prior_strength, prior_strength]
 
   # ---- step times --------------------------------------------------------------------------
 
   def observe_time(self, shape: Shape, seconds: float, warmup: bool = False) -> None:
-    old = self.seconds.get(shape)
+    old = self._time(shape) if shape in self.seconds else None  # at today's speed
+    if warmup:
+      self.warm[shape] = seconds
+    elif shape[2] == 1 and shape in self.warm:  # a plain step: how fast the machine is now
+      self.speed = (1 - self.ema) * self.speed + self.ema * seconds / self.warm[shape]
     self.seconds[shape] = seconds if old is None or warmup else (
         (1 - self.ema) * old + self.ema * seconds)
+    self._speed_at[shape] = 1.0 if warmup else self.speed
 
   def time(self, shape: Shape) -> float:
     """Seconds per step of `shape`, never below a measured shape of the same bucket and cache
@@ -76,12 +144,12 @@ class CostModel:
 
   def _time(self, shape: Shape) -> float:
     if shape in self.seconds:
-      return self.seconds[shape]
-    same = [(s, t) for s, t in self.seconds.items() if s[0] == shape[0]]
+      return self.seconds[shape] * self.speed / self._speed_at.get(shape, self.speed)
+    same = [s for s in self.seconds if s[0] == shape[0]]
     if not same:
       return float(shape[1])  # nothing known: proportional to positions
-    s, t = min(same, key=lambda st: abs(st[0][1] - shape[1]) + abs(st[0][3] - shape[3]))
-    return t * max(shape[1] / s[1], 1.0)
+    s = min(same, key=lambda s: abs(s[1] - shape[1]) + abs(s[3] - shape[3]))
+    return self._time(s) * max(shape[1] / s[1], 1.0)
 
   # ---- acceptance --------------------------------------------------------------------------
 
@@ -89,20 +157,30 @@ class CostModel:
     """Per-level acceptance estimate: the request's own counts over a prior of all requests."""
     return self._alpha.of(request_id, 0.99)
 
-  def calibration(self, request_id: Hashable) -> float:
-    """Accepted nodes per unit of drafter probability offered: the request's own over a prior
-    of all requests (1.0 = the drafter's probabilities are right)."""
-    return self._cal.of(request_id, 1.0)
+  def calibration(self, request_id: Hashable, depth: int = 1) -> np.ndarray:
+    """Accepted nodes per unit of drafter probability offered at depths 1..depth for this
+    request (1.0 = the drafter's probabilities are right)."""
+    return self._cal.ratios(depth) * self._cal.factor(request_id)
+
+  @property
+  def gain_scale(self) -> float:
+    """What chosen drafts accepted per token of gain the choice expected of them."""
+    return self._realised[0] / self._realised[1]
 
   def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int,
-                         offered: float | None = None) -> None:
+                         offered_D: np.ndarray | None = None,
+                         expected: float | None = None) -> None:
     """After a step that asked for a draft: `depth` of the verified tree (0 when the drafter
-    had nothing, which counts as one failed level), `accepted` draft nodes, and `offered`, the
-    sum of the drafter's probabilities of the verified nodes (None: it gave none). Not called
-    for a row whose drafts the step did not verify: an unverified node has not failed."""
+    had nothing, which counts as one failed level), `accepted` draft nodes, and `offered_D`,
+    the sum of the drafter's probabilities of the verified nodes at each depth 1..depth (None:
+    it gave none), and `expected`, the summed `node_values` the choice took the verified nodes
+    for. Not called for a row whose drafts the step did not verify: an unverified node has not
+    failed."""
+    if expected is not None and expected > 0 and depth > 0:
+      self._realised = [0.99 * self._realised[0] + accepted, 0.99 * self._realised[1] + expected]
     self._alpha.add(request_id, accepted, accepted + (1 if accepted < depth or depth <= 0 else 0))
-    if offered is not None and offered > 0:
-      self._cal.add(request_id, accepted, offered)
+    if offered_D is not None and depth > 0 and float(np.sum(offered_D)) > 0:
+      self._cal.add(request_id, accepted, np.asarray(offered_D, np.float64))
 
   def forget(self, request_id: Hashable) -> None:
     self._alpha.own.pop(request_id, None)
@@ -111,9 +189,12 @@ class CostModel:
   def node_values(self, request_id: Hashable, depth: np.ndarray,
                   probs: np.ndarray | None) -> np.ndarray:
     """Expected accepted tokens each node adds: the drafter's path probability scaled by the
-    request's calibration when given, else alpha ** depth."""
+    request's calibration at the node's depth when given, else alpha ** depth."""
     if probs is not None and len(probs) == len(depth):
-      return np.clip(probs.astype(np.float64) * self.calibration(request_id), 0.0, 1.0)
+      if not len(depth):
+        return np.zeros(0)
+      scale = self.calibration(request_id, int(depth.max()))[depth - 1]
+      return np.clip(probs.astype(np.float64) * scale, 0.0, 1.0)
     return self.alpha(request_id) ** depth.astype(np.float64)
 
   # ---- the choice --------------------------------------------------------------------------
@@ -122,9 +203,9 @@ class CostModel:
              live: int) -> tuple[Shape, list[int], float]:
     """The shape and per-row node counts with the most expected tokens per second.
 
-    `values[r]` are row r's nodes' expected gains in best-first order (a prefix is a tree);
-    returns (shape, nodes per row, expected tokens / s). Plain when nothing pays; with
-    `plain` None the best of `shapes` (forced speculation).
+    `values[r]` are row r's nodes' expected gains in best-first order (a prefix is a tree),
+    scaled here by `gain_scale`; returns (shape, nodes per row, expected tokens / s). Plain
+    when nothing pays; with `plain` None the best of `shapes` (forced speculation).
     """
     best = None if plain is None else (plain, [0] * len(values), live / self.time(plain))
     for shape in shapes:
@@ -144,7 +225,7 @@ class CostModel:
           heapq.heappush(heap, (-values[r][take[r]], r))
       if gain <= 0 and plain is not None:
         continue
-      rate = (live + gain) / self.time(shape)
+      rate = (live + self.gain_scale * gain) / self.time(shape)
       if best is None or rate > best[2]:
         best = (shape, take, rate)
     return best

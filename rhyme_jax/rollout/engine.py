@@ -58,11 +58,13 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: step.StepOutput
-  # (slot, _Live, drafted nodes, depth of the verified tree (-1: nothing to learn), the sum of
-  # the verified nodes' drafter probabilities)
+  # (slot, _Live, drafted nodes, depth of the verified tree (-1: nothing to learn), the
+  # verified nodes' drafter probabilities summed per depth (None: it gave none), and the gain
+  # the cost model expected of them)
   rows: list
   shape: tuple
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
+  timed: bool = False  # its completion-to-completion time is its shape's cost
   ahead: concurrent.futures.Future | None = None
   ahead_rows: list | None = None
 
@@ -308,15 +310,14 @@ class RolloutEngine:
     if overlap and self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
     pending: _Step | None = None
-    # (dispatch time, shape, draft seconds, whether its time is the shape's) of the previous
-    # dispatch. A plain step that drafts were asked for (then not verified) is read
-    # synchronously, unlike other plain steps: its time is not the plain shape's.
-    last = None
-    excluded = 0.0  # admission time since the previous dispatch (not a step's cost)
-    # Whether a prefill was dispatched since the previous step: its device time (it runs
-    # asynchronously) lands in the interval of the step dispatched next, which then says
-    # nothing about that step's shape.
-    prefilled = False
+    # A step's cost is the time from the previous step's outputs to its own: the device runs
+    # steps in order, so this is its device time plus whatever kept the device idle before it
+    # (the host reading the previous step, planning and drafting when speculation broke the
+    # pipeline), and a step dispatched behind a speculative one does not inherit its time.
+    # Not timed: a step behind a prefill or a bucket move (their device time lands in its
+    # interval), and a plain step that drafts were asked for (then not verified).
+    last_ready = None
+    untimed = False  # a prefill or bucket move was dispatched since the previous step
 
     def finish(slot: int, lv: _Live, reason: str) -> None:
       results[id(lv.req)] = RequestResult(
@@ -339,8 +340,13 @@ class RolloutEngine:
       tw = time.perf_counter()
       tokens_BxT, logp_BxT, num_B = jax.device_get(
           (st.out.tokens_BxT, st.out.logprobs_BxT, st.out.num_emitted_B))
-      stats.device_time_s += time.perf_counter() - tw
+      ready = time.perf_counter()
+      stats.device_time_s += ready - tw
       stats.host_waits += blocking
+      nonlocal last_ready
+      if st.timed and last_ready is not None:
+        self.costs.observe_time(st.shape, ready - last_ready)
+      last_ready = ready
       if st.ahead is not None:
         tw = time.perf_counter()
         wide_trees, seconds = st.ahead.result()
@@ -349,7 +355,7 @@ class RolloutEngine:
         for lv, tree in zip(st.ahead_rows, wide_trees):
           lv.ahead, lv.ahead_from = tree, len(lv.tokens)
       asked = st.shape[2] > 1 or st.asked
-      for slot, lv, drafted, depth, offered in st.rows:
+      for slot, lv, drafted, depth, offered, expected in st.rows:
         if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
           continue
         emitted = int(num_B[slot])
@@ -360,7 +366,7 @@ class RolloutEngine:
         stats.drafted += drafted
         stats.accepted += emitted - 1
         if asked and depth >= 0:
-          self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered)
+          self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
         reason, new = None, []
         for k in range(emitted):
           lv.tokens.append(int(tokens_BxT[slot, k]))
@@ -377,7 +383,6 @@ class RolloutEngine:
           finish(slot, lv, reason)
 
     while queue or any(slots) or pending is not None:
-      ta = time.perf_counter()
       admits = []
       live_len = ({s.req.request_id: len(s.tokens) for s in slots if s is not None}
                   if admission is not None and queue else {})
@@ -392,7 +397,7 @@ class RolloutEngine:
           live_len[admits[-1][1].request_id] = 0
           stats.admitted.append(admits[-1][1].request_id)
       state = self._admit(state, admits)
-      prefilled = prefilled or bool(admits)
+      untimed = untimed or bool(admits)
       live_idx = [i for i in range(bucket) if slots[i] is not None]
       if pending is None:
         while not queue and live_idx and self.bucket_for(len(live_idx)) < bucket:
@@ -400,7 +405,7 @@ class RolloutEngine:
           state, bucket = self._shrink(state, bucket, rows)
           slots = [slots[i] for i in rows[:bucket]]
           live_idx = list(range(len(live_idx)))
-      excluded += time.perf_counter() - ta
+          untimed = True
       speculate = bool(live_idx) and self._plan(bucket, slots, live_idx)
       shrinks = not queue and self.bucket_for(len(live_idx)) < bucket
       if pending is not None and (speculate or shrinks or not cfg.pipeline or not live_idx):
@@ -414,6 +419,7 @@ class RolloutEngine:
       td = time.perf_counter()
       trees: list = [None] * bucket
       counts, depths, offered = [0] * bucket, [0] * bucket, [None] * bucket
+      expected = [None] * bucket
       p, t = bucket, 1
       wide = []
       if speculate:
@@ -447,25 +453,22 @@ class RolloutEngine:
             continue
           toks, pars, probs = cleaned[k]
           trees[i] = (toks[:n], pars[:n])
-          counts[i], depths[i] = n, int(_depths(pars[:n]).max())
-          if probs is not None:
-            offered[i] = float(probs[:n].sum())
+          node_depths = _depths(pars[:n])
+          counts[i], depths[i] = n, int(node_depths.max())
+          expected[i] = float(values[k][:n].sum())
+          if probs is not None:  # the drafter's probability verified at each depth
+            offered[i] = np.bincount(node_depths - 1, weights=probs[:n])
       draft_s = time.perf_counter() - td
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
       live_B = [slots[i] is not None for i in range(bucket)]
       packed = accept.pack(trees, live_B, p)
-      tdisp = time.perf_counter()
-      if last is not None and last[3]:  # the previous step's cost: dispatch to dispatch,
-        prev_t, prev_shape, prev_draft, _ = last  # less admission
-        self.costs.observe_time(prev_shape, tdisp - prev_t - excluded - draft_s + prev_draft)
-      excluded = 0.0
       state, out = self.verify(state, packed, filters, s, t)
       shape = (bucket, p, t, s)
-      last = (tdisp, shape, draft_s, (t > 1 or not speculate) and not prefilled)
-      prefilled = False
-      rows = [(i, slots[i], counts[i], depths[i], offered[i]) for i in live_idx]
-      st = _Step(out, rows, shape, asked=speculate)
+      rows = [(i, slots[i], counts[i], depths[i], offered[i], expected[i]) for i in live_idx]
+      st = _Step(out, rows, shape, asked=speculate,
+                 timed=(t > 1 or not speculate) and not untimed)
+      untimed = False
       if wide:
         st.ahead = self._pool.submit(_timed, self.drafter.lookahead, wide)
         st.ahead_rows = [slots[i] for i in live_idx]
