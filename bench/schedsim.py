@@ -3,8 +3,8 @@
 Replays one GRPO step's requests (the last epoch of a trace, or every step of a GRPO run)
 through `scheduling.simulate` (the engine's slots, shrinking buckets, measured step times,
 optional speculation and divided rollout) under each admission policy; history-based policies
-predict from the trace's earlier epochs only. Reports makespan, tail time (last 10% of requests), slot utilisation, ratios to the
-oracle order (true lengths, longest first) and the tail cut vs FIFO; prints the table and
+predict from the trace's earlier epochs only. Reports makespan, tail time (last 10% of
+requests), slot utilisation, ratios to the oracle order (true lengths, longest first) and the tail cut vs FIFO; prints the table and
 appends it to bench/RESULTS.md.
 
 Traces (`--trace`, repeatable; read by bench/schedsim_traces.py):
@@ -102,8 +102,8 @@ def slot_counts(args, num_requests: int) -> tuple[int, int]:
   """Rows per shard on the (h100, cpu) tables: --slots, else scaled to the step so a slot
   serves 2 (h100) / 4 (cpu) requests as on the 128-request GSM8K trace (64 / 32 slots):
   a step no larger than the slots admits everything at once, where no order can matter."""
-  if getattr(args, "slots", ""):
-    return tuple(int(x) for x in args.slots.split(","))
+  if getattr(args, "slots", None):
+    return args.slots
   pow2 = lambda n: 1 << max(int(n), 1).bit_length() - 1
   return min(64, pow2(num_requests / 2)), min(32, pow2(num_requests / 4))
 
@@ -277,6 +277,16 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
   return detail, summary, overlap, notes
 
 
+def _slot_pair(text: str) -> tuple[int, int]:
+  try:
+    h, c = (int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected H,C, two integers") from None
+  if h < 1 or c < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: rows per shard must be >= 1")
+  return h, c
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--trace", action="append", default=None,
@@ -291,7 +301,7 @@ def main(argv=None) -> None:
   ap.add_argument("--plans", default="data_order,lpt_history,lpt_oracle")
   ap.add_argument("--chunk", type=int, default=0,
                   help="divided-rollout chunk (tokens); 0 = min(64, max_new_tokens / 4)")
-  ap.add_argument("--slots", default="",
+  ap.add_argument("--slots", type=_slot_pair, default=None,
                   help="H,C: rows per shard on the h100 / cpu tables (default: scaled to the "
                        "step, 64 / 32 for 128 requests)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")

@@ -34,6 +34,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 Shape = tuple  # (bucket, packed P, tokens per row T, cache bucket S)
+_DECAY = 0.99  # per observation, of the counts shared by all requests
 
 
 @dataclasses.dataclass
@@ -54,8 +55,8 @@ class _Ratio:
     own = self.own.setdefault(request_id, [0.0, 0.0])
     own[0] += accepted
     own[1] += tried
-    self.accepted = 0.99 * self.accepted + accepted
-    self.tried = 0.99 * self.tried + tried
+    self.accepted = _DECAY * self.accepted + accepted
+    self.tried = _DECAY * self.tried + tried
 
 
 @dataclasses.dataclass
@@ -68,18 +69,20 @@ class _DepthCalibration:
   """
 
   prior_strength: float
-  decay: float = 0.99
   accepted_D: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
   offered_D: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
   own: dict = dataclasses.field(default_factory=dict)  # request id -> [accepted, predicted]
+  _ratios: np.ndarray | None = None  # ratios() as of the last add (read per row and step)
 
   def ratios(self, depth: int) -> np.ndarray:
     """Shared ratio of depths 1..depth."""
-    out, prev = np.empty(depth), 0.5
-    for d in range(depth):
-      a, o = (self.accepted_D[d], self.offered_D[d]) if d < len(self.offered_D) else (0.0, 0.0)
-      prev = out[d] = (a + prev) / (o + 1.0)  # prior: one unit of probability at the ratio above
-    return out
+    if self._ratios is None or len(self._ratios) < depth:
+      out, prev = np.empty(max(depth, len(self.offered_D))), 0.5
+      for d in range(len(out)):
+        a, o = (self.accepted_D[d], self.offered_D[d]) if d < len(self.offered_D) else (0, 0)
+        prev = out[d] = (a + prev) / (o + 1.0)  # prior: one unit of probability at the ratio above
+      self._ratios = out
+    return self._ratios[:depth]
 
   def factor(self, request_id: Hashable) -> float:
     a, e = self.own.get(request_id, (0.0, 0.0))
@@ -94,10 +97,11 @@ class _DepthCalibration:
     if depth > len(self.offered_D):
       self.accepted_D = np.pad(self.accepted_D, (0, depth - len(self.accepted_D)))
       self.offered_D = np.pad(self.offered_D, (0, depth - len(self.offered_D)))
-    self.accepted_D *= self.decay
-    self.offered_D *= self.decay
+    self.accepted_D *= _DECAY
+    self.offered_D *= _DECAY
     self.accepted_D[:min(accepted, depth)] += 1.0  # one node accepted at each depth reached
     self.offered_D[:depth] += offered_D
+    self._ratios = None
 
 
 class CostModel:
@@ -177,7 +181,8 @@ class CostModel:
     for. Not called for a row whose drafts the step did not verify: an unverified node has not
     failed."""
     if expected is not None and expected > 0 and depth > 0:
-      self._realised = [0.99 * self._realised[0] + accepted, 0.99 * self._realised[1] + expected]
+      self._realised = [_DECAY * self._realised[0] + accepted,
+                        _DECAY * self._realised[1] + expected]
     self._alpha.add(request_id, accepted, accepted + (1 if accepted < depth or depth <= 0 else 0))
     if offered_D is not None and depth > 0 and float(np.sum(offered_D)) > 0:
       self._cal.add(request_id, accepted, np.asarray(offered_D, np.float64))

@@ -337,13 +337,13 @@ class RolloutEngine:
 
     def process(st: _Step, blocking: bool) -> None:
       """Reads a step's outputs (blocking: no later step is queued, the device idles)."""
+      nonlocal last_ready
       tw = time.perf_counter()
       tokens_BxT, logp_BxT, num_B = jax.device_get(
           (st.out.tokens_BxT, st.out.logprobs_BxT, st.out.num_emitted_B))
       ready = time.perf_counter()
       stats.device_time_s += ready - tw
       stats.host_waits += blocking
-      nonlocal last_ready
       if st.timed and last_ready is not None:
         self.costs.observe_time(st.shape, ready - last_ready)
       last_ready = ready

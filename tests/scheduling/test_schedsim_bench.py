@@ -67,3 +67,11 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   # 32 requests: slots scale to 16 (h100) / 8 (cpu), chunk min(64, 64 / 4) = 16.
   assert {(r[1], r[2]) for r in lines if len(r) == 20} >= {("h100", "1x16"), ("cpu", "1x8")}
   assert "targets, small.jsonl" in out and "16 kv 2x" in out
+
+
+@pytest.mark.parametrize("bad", ["8", "8,x", "0,4", "8,4,2"])
+def test_bad_slots_flag_is_one_clear_error(bad, capsys):
+  with pytest.raises(SystemExit):
+    schedsim.main(["--slots", bad, "--no_append"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--slots" in err and repr(bad) in err
