@@ -32,7 +32,7 @@ SPECULATE = ("auto", "always")  # of rollout.interface.SPECULATE ("never" is --s
 # Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
 # (CPU tests). The one source: models.attention and the engine config import it.
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
-SCHEDULES = ("fifo", "history", "alternate", "probe")  # scheduling.plan.SCHEDULES
+SCHEDULES = ("fifo", "history", "alternate", "probe", "residual")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("ppo_clip",)  # rl.losses registry
@@ -48,7 +48,8 @@ TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
                      "run.record_rollouts",
-                     "rollout.attention", "rollout.schedule", "rollout.speculate", "distributed")
+                     "rollout.attention", "rollout.schedule", "rollout.speculate",
+                     "rollout.divide_every", "rollout.park_rows", "distributed")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,8 @@ class RolloutOptions:
   attention: str  # decode attention: xla | pallas | pallas_interpret (EngineConfig.attention)
   schedule: str  # rollout admission order (scheduling.plan.SCHEDULES)
   rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
+  divide_every: int  # divided rollout: tokens between a request's offers to yield its slot
+  park_rows: int  # divided rollout: device KV rows for requests that yielded (EngineConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +204,21 @@ _FLAGS = {
          "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
          "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
          "or 'probe' (Seer: each group's first sample first, then the group with the longest "
-         "finished sibling; probes ordered by history where it exists). Never changes what "
-         "is sampled."),
+         "finished sibling; probes ordered by history where it exists) or 'residual' (longest "
+         "expected remaining work first, E[L - n | L > n] over the prompt's history: with "
+         "--divide_every, running requests give way to longer expected work). Never changes "
+         "what is sampled."),
         ("rollout_slots", 0, "Requests decoded at once (the rollout engine's largest batch "
          "bucket, e.g. what the KV cache memory allows); 0 = all group_size x prompts_per_step "
          "samples of a step at once. With fewer slots than samples, requests wait for a slot and "
          "--schedule decides which goes first."),
+        ("divide_every", 0, "Divided rollout (Seer): every this many tokens a running request "
+         "is offered to yield its slot to a queued one, as --schedule=probe or residual "
+         "decides; its KV waits in one of --park_rows device rows and nothing is recomputed. "
+         "0 = off. Cuts the rollout's tail when slots are fewer than samples."),
+        ("park_rows", 0, "KV rows (each max_prompt_len + max_new_tokens positions) kept on "
+         "the device for requests that yielded their slot (--divide_every); a full pool stops "
+         "yields until one resumes."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -363,6 +375,13 @@ def validate(c: Config) -> None:
   _one_of("attention", r.attention, ATTENTIONS)
   _one_of("schedule", r.schedule, SCHEDULES)
   _at_least("rollout_slots", r.rollout_slots, 0)
+  _at_least("divide_every", r.divide_every, 0)
+  _at_least("park_rows", r.park_rows, 0)
+  if r.divide_every and not r.park_rows:
+    _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
+  if r.divide_every and r.schedule not in ("probe", "residual"):
+    _fail("divide_every", r.divide_every, "0 unless --schedule is probe or residual (an order "
+          "that re-ranks running requests)")
 
   _at_least("group_size", rl.group_size, 2)
   _at_least("prompts_per_step", rl.prompts_per_step, 1)

@@ -84,6 +84,18 @@ def test_bad_values_name_the_flag(flag, message):
   assert message in str(e.value)
 
 
+def test_divided_rollout_flags():
+  """--divide_every needs park rows and an order that re-ranks running requests."""
+  ok = parse_flags(["--run_dir=/tmp/r", "--schedule=residual", "--divide_every=32",
+                    "--park_rows=16"]).rollout
+  assert (ok.divide_every, ok.park_rows) == (32, 16)
+  with pytest.raises(ConfigError, match=r"^--park_rows=0: expected >= 1 with --divide_every"):
+    parse_flags(["--run_dir=/tmp/r", "--schedule=residual", "--divide_every=32"])
+  with pytest.raises(ConfigError, match=r"^--divide_every=32: expected 0 unless --schedule is"):
+    parse_flags(["--run_dir=/tmp/r", "--schedule=history", "--divide_every=32",
+                 "--park_rows=4"])
+
+
 def test_distributed_flags():
   c = parse_flags(["--run_dir=/tmp/r", "--coordinator_address=10.0.0.1:1234",
                    "--num_processes=4", "--process_id=3"]).distributed

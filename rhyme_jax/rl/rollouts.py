@@ -38,7 +38,7 @@ from rhyme_jax.scheduling.simulate import tail_time
 
 # Engine counters summed over a step's rollout rounds.
 _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "drafted", "accepted",
-                    "draft_time_s", "lookahead_time_s", "ahead_hits", "ahead_misses")
+                    "draft_time_s", "lookahead_time_s", "ahead_hits", "ahead_misses", "yields")
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
@@ -52,7 +52,8 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       max_draft=c.rollout.draft_budget if drafting else 0,
       speculate=c.rollout.speculate if drafting else "never",
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
-      attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed)
+      attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed,
+      divide_every=c.rollout.divide_every, park_rows=c.rollout.park_rows)
 
 
 def request_base(config: Config, step: int, round_idx: int, process_index: int = 0,
@@ -109,8 +110,11 @@ class Rollouts:
     admission = None
     if self.predictor is not None:
       self.predictor.refresh()  # the store gained last round's groups
+      park = c.rollout.park_rows if c.rollout.divide_every else 0
       admission = plan_step(requests, self.predictor, step=step,
-                            policy=SCHEDULES[c.rollout.schedule]).admission(0)
+                            policy=SCHEDULES[c.rollout.schedule],
+                            kv_budget=max(self.engine.config.buckets) + park if park else None
+                            ).admission(0)
     results = self.engine.generate(requests, admission=admission)
     for k in _ENGINE_COUNTERS:
       stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)
@@ -220,6 +224,7 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   m["time/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
   m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
       stats["ahead_hits"] + stats["ahead_misses"], 1)
+  m["rollout/yields"] = stats.get("yields", 0)  # slots given up mid-response (--divide_every)
   m["time/rollout"] = stats["time/rollout"]
   # Wall time from the rollout's start to its last response, and to finish its last 10%
   # (summed over a step's rounds): what the admission order (--schedule) acts on.

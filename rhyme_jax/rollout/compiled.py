@@ -11,7 +11,7 @@ import functools
 
 import jax
 
-from rhyme_jax.rollout import step
+from rhyme_jax.rollout import kv_cache, step
 
 
 # Compiled once per process, model structure and shape (`_model_fns` below), so engines over
@@ -53,3 +53,12 @@ def model_fns(graphdef, treedef):
 
 load_slots_jit = jax.jit(counted("load", step.load_slots), donate_argnums=(0,))
 regroup_jit = jax.jit(counted("regroup", step.regroup))
+
+
+def _copy_row(dst, src, dst_row, src_row):
+  """KV row `src_row` of cache `src` written into row `dst_row` of `dst` (divided rollout:
+  a slot's KV to its park row and back)."""
+  return kv_cache.write_slot(dst, dst_row, kv_cache.read_slot(src, src_row))
+
+
+copy_row_jit = jax.jit(counted("copy_row", _copy_row), donate_argnums=(0,))

@@ -34,23 +34,12 @@ from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
-from rhyme_jax.rollout.drafts import DraftQuery, DraftSource, DraftTree, cleaned_drafts
+from rhyme_jax.rollout.divided import ParkPool, divide
+from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
+from rhyme_jax.rollout.live import LiveRequest, tree_depths, validate
 from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
-
-
-@dataclasses.dataclass
-class _Live:
-  req: Request
-  tokens: list
-  logprobs: list
-  steps: int = 0
-  drafted: int = 0
-  accepted: int = 0
-  done: bool = False
-  ahead: DraftTree | None = None  # drafted ahead from the context before the last step
-  ahead_from: int = -1  # response length that tree continues
 
 
 @dataclasses.dataclass
@@ -58,7 +47,7 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: step.StepOutput
-  # (slot, _Live, drafted nodes, depth of the verified tree (-1: nothing to learn), the
+  # (slot, LiveRequest, drafted nodes, depth of the verified tree (-1: nothing to learn), the
   # verified nodes' drafter probabilities summed per depth (None: it gave none), and the gain
   # the cost model expected of them)
   rows: list
@@ -97,17 +86,27 @@ class RolloutEngine:
     self.costs = CostModel()
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
+    self._parked: ParkPool | None = None  # divided rollout's KV rows, made on first use
 
-  def _new_state(self, bucket: int) -> step.DecodeState:
-    """A fresh state; on the params' mesh (replicated) when they have one, so the first step
-    sees the placement every later step does (otherwise it would compile a second variant)."""
-    state = step.DecodeState.empty(KVCache.zeros(self.model_config, bucket,
-                                                 self.config.cache_len))
+  def _place(self, tree):
+    """`tree` on the params' mesh (replicated) when they have one, so the first step sees the
+    placement every later step does (otherwise it would compile a second variant)."""
     sharding = self._leaves[0].sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
-      state = jax.device_put(state, jax.sharding.NamedSharding(sharding.mesh,
-                                                               jax.sharding.PartitionSpec()))
-    return state
+      return jax.device_put(tree, jax.sharding.NamedSharding(sharding.mesh,
+                                                             jax.sharding.PartitionSpec()))
+    return tree
+
+  def park_pool(self) -> ParkPool:
+    if self._parked is None:
+      self._parked = ParkPool(self.model_config, self.config.park_rows, self.config.cache_len,
+                              self._place)
+    return self._parked
+
+  def _new_state(self, bucket: int) -> step.DecodeState:
+    """A fresh state, placed as every later step's (`_place`)."""
+    return self._place(step.DecodeState.empty(KVCache.zeros(self.model_config, bucket,
+                                                            self.config.cache_len)))
 
   def _shrink(self, state: step.DecodeState, bucket: int, order: list[int]):
     """Moves rows `order` into the next smaller bucket (one level at a time, so only
@@ -143,6 +142,8 @@ class RolloutEngine:
             if reps:
               self.costs.observe_time((bucket, p, t, s), best, warmup=True)
         state = self._admit(state, dummy)
+      if self.config.park_rows:
+        state = state.replace(cache=self.park_pool().warmup(state.cache))
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 
@@ -172,30 +173,12 @@ class RolloutEngine:
 
   # ---- request handling ------------------------------------------------------------------------
 
-  def _validate(self, req: Request, seen: set) -> str | None:
-    """A reason this request cannot run, or None."""
-    try:
-      req.params.validate()
-    except ValueError as e:
-      return f"request {req.request_id}: invalid sampling params: {e}"
-    n = len(req.prompt)
-    if req.request_id in seen:
-      return f"request {req.request_id}: duplicate request_id"
-    if n == 0:
-      return f"request {req.request_id}: empty prompt"
-    vocab = self.model_config.vocab_size
-    bad = [t for t in req.prompt if not 0 <= int(t) < vocab]
-    if bad:
-      return f"request {req.request_id}: prompt token {bad[0]} outside the vocabulary [0, {vocab})"
-    if n + req.params.max_new_tokens > self.config.max_len:
-      return (f"request {req.request_id}: prompt of {n} tokens + max_new_tokens="
-              f"{req.params.max_new_tokens} exceeds the engine's max_len={self.config.max_len}")
-    return None
-
-  def _admit(self, state: step.DecodeState, admits: list[tuple[int, Request]]
-             ) -> step.DecodeState:
+  def _admit(self, state: step.DecodeState, admits: list[tuple[int, Request]],
+             resumed: dict[int, list] | None = None) -> step.DecodeState:
     """Prefills all but the last prompt token of each (slot, request); the last becomes the
-    slot's root. Slot parameters are set for all admitted requests in one call."""
+    slot's root. A request in `resumed` ({request id: its tokens so far}) yielded its slot
+    earlier (divided rollout): its KV row comes back from the park pool instead, and its last
+    token is the root. Slot parameters are set for all admitted requests in one call."""
     if not admits:
       return state
     t0 = time.perf_counter()
@@ -207,48 +190,27 @@ class RolloutEngine:
     temperature, top_p = np.ones(b, np.float32), np.ones(b, np.float32)
     for slot, req in admits:
       prompt = np.asarray(req.prompt, np.int32)
-      body = prompt[:-1]
-      for start in range(0, len(body), c):
-        chunk = np.zeros(c, np.int32)
-        piece = body[start:start + c]
-        chunk[:len(piece)] = piece
-        cache = self._prefill_fn(self._leaves, cache, jnp.int32(slot),
-                             jnp.asarray(chunk), jnp.int32(start))
-        self.stats.prefill_chunks += 1
+      done = resumed.get(req.request_id) if resumed else None
+      if done is not None:  # the KV of the prompt and all but its last token is parked
+        cache = self._parked.resume(cache, slot, req.request_id)
+        cached, last = len(prompt) + len(done) - 1, done[-1]
+      else:
+        cached, last = len(prompt) - 1, prompt[-1]
+        for start in range(0, cached, c):
+          chunk = np.zeros(c, np.int32)
+          piece = prompt[start:min(start + c, cached)]
+          chunk[:len(piece)] = piece
+          cache = self._prefill_fn(self._leaves, cache, jnp.int32(slot), jnp.asarray(chunk),
+                                   jnp.int32(start))
+          self.stats.prefill_chunks += 1
       p = req.params
       new[slot] = True
-      length[slot], root[slot], request[slot] = len(body), prompt[-1], req.request_id
+      length[slot], root[slot], request[slot] = cached, last, req.request_id
       temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
-    state = compiled.load_slots_jit(state.replace(cache=cache), new, length, root, request, temperature,
-                      top_p, top_k)
+    state = compiled.load_slots_jit(state.replace(cache=cache), new, length, root, request,
+                                    temperature, top_p, top_k)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
     return state
-
-  def _query(self, lv: _Live, budget: int) -> DraftQuery:
-    """What the drafter sees of a live request, with the continuation of its tree drafted
-    ahead (if any) past the tokens emitted since."""
-    ahead = None
-    if lv.ahead is not None:
-      ahead = lv.ahead.after(lv.tokens[lv.ahead_from:])
-      self.stats.ahead_misses += ahead is None
-      lv.ahead = None
-    room = lv.req.params.max_new_tokens - len(lv.tokens) - 1
-    key = lv.req.prompt_key if lv.req.prompt_key is not None else tuple(lv.req.prompt)
-    return DraftQuery(lv.req.request_id, lv.req.group_id, key,
-                      np.asarray(lv.req.prompt, np.int32), np.asarray(lv.tokens, np.int32),
-                      max(min(budget, room), 0), ahead)
-
-  def _finish_reason(self, live: _Live) -> str | None:
-    p = live.req.params
-    toks = live.tokens
-    if toks and toks[-1] in self.config.eos_ids:
-      return "eos"
-    for s in p.stop_sequences:
-      if len(toks) >= len(s) and tuple(toks[-len(s):]) == tuple(s):
-        return "stop"
-    if len(toks) >= p.max_new_tokens:
-      return "length"
-    return None
 
   # ---- the loop --------------------------------------------------------------------------------
 
@@ -284,7 +246,7 @@ class RolloutEngine:
     queue: list[Request] = []
     seen: set = set()
     for req in requests:
-      err = self._validate(req, seen)
+      err = validate(req, seen, self.model_config.vocab_size, self.config.max_len)
       seen.add(req.request_id)
       if err:
         results[id(req)] = RequestResult(req.request_id, req.group_id,
@@ -304,12 +266,19 @@ class RolloutEngine:
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
     state = self._new_state(bucket)
-    slots: list[_Live | None] = [None] * bucket
+    slots: list[LiveRequest | None] = [None] * bucket
     overlap = cfg.draft_mode != "sync" and hasattr(self.drafter, "lookahead")
     ahead_only = overlap and cfg.draft_mode == "ahead_only"
     if overlap and self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
     pending: _Step | None = None
+    # Divided rollout (divided.py) with an online admission order: requests that yielded their
+    # slot, by id; their KV waits in the park pool.
+    dividing = cfg.divide_every > 0 and getattr(admission, "online", False)
+    pool = self.park_pool() if dividing else None
+    if pool is not None:
+      pool.reset()
+    parked: dict[int, LiveRequest] = {}
     # A step's cost is the time from the previous step's outputs to its own: the device runs
     # steps in order, so this is its device time plus whatever kept the device idle before it
     # (the host reading the previous step, planning and drafting when speculation broke the
@@ -319,12 +288,8 @@ class RolloutEngine:
     last_ready = None
     untimed = False  # a prefill or bucket move was dispatched since the previous step
 
-    def finish(slot: int, lv: _Live, reason: str) -> None:
-      results[id(lv.req)] = RequestResult(
-          lv.req.request_id, lv.req.group_id, np.asarray(lv.req.prompt, np.int32),
-          np.asarray(lv.tokens, np.int32), np.asarray(lv.logprobs, np.float32), reason,
-          steps=lv.steps, drafted=lv.drafted, accepted=lv.accepted,
-          finish_time=time.perf_counter() - t0)
+    def finish(slot: int, lv: LiveRequest, reason: str) -> None:
+      results[id(lv.req)] = lv.result(reason, time.perf_counter() - t0)
       lv.done = True
       finished_len[lv.req.request_id] = len(lv.tokens)
       slots[slot] = None
@@ -372,7 +337,7 @@ class RolloutEngine:
           lv.tokens.append(int(tokens_BxT[slot, k]))
           lv.logprobs.append(float(logp_BxT[slot, k]))
           new.append(lv.tokens[-1])
-          reason = self._finish_reason(lv)
+          reason = lv.finish_reason(cfg.eos_ids)
           if reason:
             break
         stats.tokens += len(new)
@@ -384,21 +349,34 @@ class RolloutEngine:
 
     while queue or any(slots) or pending is not None:
       admits = []
-      live_len = ({s.req.request_id: len(s.tokens) for s in slots if s is not None}
-                  if admission is not None and queue else {})
+      live_len = ({lv.req.request_id: len(lv.tokens) for lv in slots + list(parked.values())
+                   if lv is not None} if admission is not None and queue else {})
+      if dividing and queue:  # divided rollout: rows give way to queued requests
+        yields = divide(pool, state.cache, slots, queue, parked, admission, finished_len,
+                        live_len, cfg.divide_every, [] if pending is None else pending.rows)
+        stats.yields += yields
+        untimed = untimed or yields > 0
+      resumed = {}
       for i in range(bucket):
         if slots[i] is None and queue:
           k = 0 if admission is None else admission.next_to_admit(queue, finished_len, live_len)
           if not 0 <= k < len(queue):
             raise ValueError(f"generate: admission.next_to_admit returned {k} for a queue of "
                              f"{len(queue)}")
-          admits.append((i, queue.pop(k)))
-          slots[i] = _Live(admits[-1][1], [], [])
-          live_len[admits[-1][1].request_id] = 0
-          stats.admitted.append(admits[-1][1].request_id)
-      state = self._admit(state, admits)
+          req = queue.pop(k)
+          admits.append((i, req))
+          lv = parked.pop(req.request_id, None)
+          if lv is None:
+            lv = LiveRequest(req)
+            stats.admitted.append(req.request_id)
+          else:
+            resumed[req.request_id] = lv.tokens
+            lv.since = len(lv.tokens)
+          slots[i] = lv
+          live_len[req.request_id] = len(lv.tokens)
+      state = self._admit(state, admits, resumed)
       untimed = untimed or bool(admits)
-      live_idx = [i for i in range(bucket) if slots[i] is not None]
+      live_idx = [i for i in range(bucket) if slots[i] is not None and not slots[i].draining]
       if pending is None:
         while not queue and live_idx and self.bucket_for(len(live_idx)) < bucket:
           rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]
@@ -427,15 +405,16 @@ class RolloutEngine:
         cap = max(t for _, t in shapes) - 1
         queries = []
         for i in live_idx:
-          q = self._query(slots[i], cap)
+          q, miss = slots[i].query(cap)
           stats.ahead_hits += q.ahead is not None
+          stats.ahead_misses += miss
           if overlap:  # drafted ahead from this step's context while the device runs it
             wide.append(dataclasses.replace(q, budget=cfg.lookahead_budget, ahead=None))
           if ahead_only and q.ahead is None:
             q = dataclasses.replace(q, budget=0)
           queries.append(q)
         cleaned = cleaned_drafts(self.drafter.propose(queries), [q.budget for q in queries])
-        values = [self.costs.node_values(slots[i].req.request_id, _depths(c[1]), c[2])
+        values = [self.costs.node_values(slots[i].req.request_id, tree_depths(c[1]), c[2])
                   for i, c in zip(live_idx, cleaned)]
         s = self._kv_len_for(longest + in_flight + cap + 1)
         cands = [(bucket, p_, t_, s) for p_, t_ in shapes]
@@ -453,7 +432,7 @@ class RolloutEngine:
             continue
           toks, pars, probs = cleaned[k]
           trees[i] = (toks[:n], pars[:n])
-          node_depths = _depths(pars[:n])
+          node_depths = tree_depths(pars[:n])
           counts[i], depths[i] = n, int(node_depths.max())
           expected[i] = float(values[k][:n].sum())
           if probs is not None:  # the drafter's probability verified at each depth
@@ -461,7 +440,8 @@ class RolloutEngine:
       draft_s = time.perf_counter() - td
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
-      live_B = [slots[i] is not None for i in range(bucket)]
+      live_B = np.zeros(bucket, bool)
+      live_B[live_idx] = True
       packed = accept.pack(trees, live_B, p)
       state, out = self.verify(state, packed, filters, s, t)
       shape = (bucket, p, t, s)
@@ -483,12 +463,6 @@ class RolloutEngine:
         process(pending, blocking=False)
       pending = st
     stats.total_time_s = time.perf_counter() - t0
+    stats.parked_peak = pool.peak if pool is not None else 0
     return [results[k] for k in order]
 
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-  """Depth below the root of each node of a (tokens, parents) draft (children of root: 1)."""
-  d = np.zeros(len(parents), np.int64)
-  for i, par in enumerate(parents):
-    d[i] = 1 if par < 0 else d[par] + 1
-  return d

@@ -36,6 +36,11 @@ class AdmissionOrder(Protocol):
   probe-first) re-rank as siblings finish. Implementations live in `scheduling/`. An order
   changes when a request runs, never what it samples: sampling keys depend on (seed,
   request_id, position) alone.
+
+  An order with `online = True` may also be asked about a running request (divided rollout,
+  `EngineConfig.divide_every`): `next_to_admit` gets the queue with that request appended and
+  `live` holding its tokens so far; picking it keeps it running, picking another makes it
+  yield its slot and rejoin the queue (its KV parked). Orders without the attribute are static.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...
@@ -113,6 +118,11 @@ class EngineConfig:
   # path with one logged reason on CPU or an unsupported shape) or "pallas_interpret" (that
   # kernel interpreted, for CPU tests). A static part of every compiled step.
   attention: str = "xla"
+  # Divided rollout (divided.py; used with an online admission order): a request is offered the
+  # choice to yield its slot every `divide_every` tokens (0 = never), its KV kept in one of
+  # `park_rows` device rows (a compile-time size: memory of park_rows x cache_len positions).
+  divide_every: int = 0
+  park_rows: int = 0
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
@@ -133,6 +143,12 @@ class EngineConfig:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTIONS}")
+    if self.divide_every < 0 or self.park_rows < 0:
+      raise ValueError(f"divide_every={self.divide_every}, park_rows={self.park_rows}: must be "
+                       ">= 0")
+    if self.divide_every and not self.park_rows:
+      raise ValueError(f"divide_every={self.divide_every} needs park_rows >= 1: a yielded "
+                       "request's KV waits in a park row")
 
   @property
   def row_tokens(self) -> int:
@@ -190,6 +206,8 @@ class EngineStats:
   lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
   ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
   ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead
+  yields: int = 0  # slots given up by running requests (divided rollout)
+  parked_peak: int = 0  # most yielded requests waiting at once (their KV in park rows)
   total_time_s: float = 0.0
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
   # per step: (bucket, packed P, live, queued)
@@ -223,4 +241,5 @@ class EngineStats:
                 draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
                 lookahead_time_s=self.lookahead_time_s,
                 lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
-                ahead_misses=self.ahead_misses, total_time_s=self.total_time_s)
+                ahead_misses=self.ahead_misses, yields=self.yields,
+                parked_peak=self.parked_peak, total_time_s=self.total_time_s)

@@ -251,6 +251,11 @@ class EngineOrder:
     self._metas = dict(metas) if metas is not None else None
     self._current: dict[int, RequestMeta] = {}
 
+  @property
+  def online(self) -> bool:
+    """Whether the engine may ask about running requests (divided rollout)."""
+    return self.policy.online
+
   def order(self, requests: Sequence) -> list:
     metas = [self._metas[r.request_id] if self._metas is not None
              else RequestMeta.from_request(r, i) for i, r in enumerate(requests)]

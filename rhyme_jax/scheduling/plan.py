@@ -26,6 +26,7 @@ SCHEDULES = {
     "history": "history",  # longest predicted first (HistoPipe's in-step order)
     "alternate": "history_alt",  # long->short on even steps, short->long on odd (HistoPipe)
     "probe": "history_probe",  # Seer probe-first, probes ordered by history where it exists
+    "residual": "history_residual",  # longest expected remaining work first (divided rollout)
 }
 
 
@@ -53,10 +54,12 @@ class StepPlan:
 
 
 def plan_step(requests: Sequence, predictor: LengthPredictor | None, *, step: int = 0,
-              num_shards: int = 1, policy: str = "history", seed: int = 0) -> StepPlan:
+              num_shards: int = 1, policy: str = "history", seed: int = 0,
+              kv_budget: int | None = None) -> StepPlan:
   """Groups to shards by LPT over predicted work (round-robin in data order without a
   predictor), then each shard's requests in `policy`'s order (see `admission.POLICIES`;
-  "history_alt" alternates long-first / short-first by step parity)."""
+  "history_alt" alternates long-first / short-first by step parity; `kv_budget` caps
+  "history_residual"'s started-and-unfinished requests per shard)."""
   metas = metas_from_requests(requests)
   if predictor is not None:
     shard_of = plan_shards(metas, predictor, num_shards)
@@ -66,7 +69,7 @@ def plan_step(requests: Sequence, predictor: LengthPredictor | None, *, step: in
   by_id = {m.request_id: r for m, r in zip(metas, requests)}
   ordered, policies = [], []
   for shard in range(num_shards):
-    pol = make_policy(policy, predictor=predictor, step=step, seed=seed)
+    pol = make_policy(policy, predictor=predictor, step=step, seed=seed, kv_budget=kv_budget)
     mine = [m for m in metas if shard_of[m.group_id] == shard]
     ordered.append([by_id[m.request_id] for m in pol.order(mine)])
     policies.append(pol)

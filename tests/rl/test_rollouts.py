@@ -94,8 +94,10 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
   prompts = encode_prompts(["one", "two plus two", "three"], examples, [0] * 3, tok, 64)
   flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
   out = {}
-  for schedule in ("fifo", "history", "alternate", "probe"):
-    config = _config("--spec=none", f"--schedule={schedule}", "--prompts_per_step=3")
+  divided = ["--rollout_slots=4", "--divide_every=2", "--park_rows=4"]  # 12 samples, 4 slots
+  for schedule, extra in {"fifo": [], "history": [], "alternate": [], "probe": [],
+                          "residual": divided}.items():
+    config = _config("--spec=none", f"--schedule={schedule}", "--prompts_per_step=3", *extra)
     rollouts = Rollouts(config, model, tok, Scorer(tok, get_reward_fn("format"), 6))
     assert (rollouts.store is None) == (schedule == "fifo")
     assert rollouts.drafter is None and rollouts.engine.config.max_draft == 0  # no speculation
@@ -103,11 +105,13 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
     first = rollouts.sample_round(prompts, 1, 0, stats)
     assert stats["time/rollout_makespan"] >= stats["time/rollout_tail"] >= 0.0
     rollouts.record([GroupRecord.of(g) for g in first])  # what the trainer does after a step
-    second = rollouts.sample_round(prompts, 2, 0, {})
+    stats = {}
+    second = rollouts.sample_round(prompts, 2, 0, stats)
+    assert (stats["yields"] > 0) == (schedule == "residual")  # divided rollout
     if schedule != "fifo":
       assert len(rollouts.store) == 3 and rollouts.predictor.predict(prompts[0].key).known
     out[schedule] = (flat(first), flat(second), rollouts.engine.stats.admitted)
-  for schedule in ("history", "alternate", "probe"):
+  for schedule in ("history", "alternate", "probe", "residual"):
     assert out[schedule][:2] == out["fifo"][:2], schedule
   assert out["fifo"][2] == sorted(out["fifo"][2])
   assert out["probe"][2][:3] == [out["probe"][2][0] + 4 * k for k in range(3)]  # probes first

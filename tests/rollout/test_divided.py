@@ -1,0 +1,112 @@
+"""Divided rollout (rollout/divided.py): running requests yield their slot to queued ones, their
+KV parked on the device and brought back; what is sampled never changes, nothing compiles
+inside a rollout, the pool's size bounds the parked requests."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rhyme_jax.rollout.drafts import OracleDrafter
+from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
+from rhyme_jax.rollout.sampling import SamplingParams
+from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+
+from tests.rollout.conftest import mixed_prompts
+
+EOS = 3
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=24)
+
+
+class FewestTokensFirst:
+  """An online order that always runs the request with the fewest tokens so far (ties: the
+  front of the queue), so every request yields each time it is asked while others wait."""
+
+  online = True
+
+  def __init__(self):
+    self.asked_about_running = 0
+
+  def order(self, requests):
+    return list(requests)
+
+  def next_to_admit(self, queue, finished, live):
+    del finished
+    if queue[-1].request_id in live and live[queue[-1].request_id] > 0:
+      self.asked_about_running += 1
+    return min(range(len(queue)), key=lambda i: (live.get(queue[i].request_id, 0), i))
+
+
+def requests(n=16, seed=0):
+  return [Request(i, p, PARAMS, group_id=i // 4)
+          for i, p in enumerate(mixed_prompts(n, 64, seed))]
+
+
+def engine(model, drafter=None, budget=0, **kw):
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=budget,
+                     pack_factors=(budget + 1,) if budget else (2,),
+                     speculate="always" if budget else "never", kv_buckets=1, eos_ids=(EOS,),
+                     seed=5, **kw)
+  eng = RolloutEngine(model, cfg, drafter)
+  eng.warmup()
+  return eng
+
+
+def _same(a_results, b_results):
+  for a, b in zip(a_results, b_results):
+    np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"request {a.request_id}")
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert a.finish_reason == b.finish_reason
+
+
+@pytest.mark.parametrize("budget", [0, 4])
+def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget):
+  """Requests yield every 4 tokens to queued ones (the pool holds 3) and resume in other
+  slots; tokens and log-probs equal the undivided rollout's, plain steps (pipelined) and
+  speculative ones alike, and nothing compiles after warm-up."""
+  base = engine(tiny_model, budget=budget).generate(requests())
+  drafter = (OracleDrafter({r.request_id: r.tokens for r in base}, 64, accuracy=0.7, seed=1)
+             if budget else None)
+  eng = engine(tiny_model, drafter, budget, divide_every=4, park_rows=3)
+  before = dict(TRACE_COUNTS)
+  order = FewestTokensFirst()
+  divided = eng.generate(requests(), admission=order)
+  assert dict(TRACE_COUNTS) == before, "a divided rollout compiled"
+  _same(base, divided)
+  assert eng.stats.yields >= 4 and order.asked_about_running >= eng.stats.yields
+  assert 1 <= eng.stats.parked_peak <= 3
+  assert sorted(eng.stats.admitted) == list(range(16))  # a resumption is not an admission
+  assert eng.stats.tokens == sum(len(r.tokens) for r in divided)
+
+
+def test_a_static_order_never_divides(tiny_model):
+  """Without an online order (none, or a static policy) no request yields its slot."""
+  eng = engine(tiny_model, divide_every=2, park_rows=4)
+  base = eng.generate(requests())
+  assert eng.stats.yields == 0
+  _same(base, eng.generate(requests(), admission=EngineOrder(make_policy("fifo"))))
+  assert eng.stats.yields == 0
+
+
+def test_history_residual_divides_with_a_real_predictor(tiny_model):
+  """scheduling's history_residual order (longest expected remaining work first, from a
+  history of lengths) drives the yields; one park row bounds the parked requests."""
+  reqs = requests()
+  table = LengthTable()
+  for g in range(4):  # group 0's prompt ran long last epoch, the others short
+    table.add(g, 0, [24, 24, 20, 22] if g == 0 else [3, 4, 2, 5])
+  reqs = [dataclasses.replace(r, prompt_key=r.group_id) for r in reqs]
+  base = engine(tiny_model).generate(reqs)
+  eng = engine(tiny_model, divide_every=3, park_rows=1)
+  policy = make_policy("history_residual", predictor=LengthPredictor(table))
+  divided = eng.generate(reqs, admission=EngineOrder(policy))
+  _same(base, divided)
+  assert eng.stats.yields > 0 and eng.stats.parked_peak == 1
+
+
+def test_divide_every_needs_park_rows():
+  with pytest.raises(ValueError, match="park_rows"):
+    EngineConfig(divide_every=8)
+  with pytest.raises(ValueError, match="divide_every"):
+    EngineConfig(divide_every=-1, park_rows=2)
