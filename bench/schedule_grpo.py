@@ -45,10 +45,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("plain", "+HistoSpec", "+HistoPipe", "both")
 
 
-def variant_flags(name: str, schedule: str) -> list[str]:
+def variant_flags(name: str, schedule: str, divide: tuple[int, int] = (0, 0)) -> list[str]:
+  """The trainer flags of a variant; `divide` = (--divide_every, --park_rows) of the
+  +HistoPipe variants (divided rollout; 0: off)."""
   spec = "histospec" if name in ("+HistoSpec", "both") else "none"
-  sched = schedule if name in ("+HistoPipe", "both") else "fifo"
-  return [f"--spec={spec}", f"--schedule={sched}"]
+  pipe = name in ("+HistoPipe", "both")
+  flags = [f"--spec={spec}", f"--schedule={schedule if pipe else 'fifo'}"]
+  if pipe and divide[0]:
+    flags += [f"--divide_every={divide[0]}", f"--park_rows={divide[1]}"]
+  return flags
 
 
 def run_variant(name: str, args, run_root: str) -> tuple[list[dict], int]:
@@ -63,7 +68,8 @@ def run_variant(name: str, args, run_root: str) -> tuple[list[dict], int]:
            f"--max_new_tokens={args.max_new_tokens}", f"--micro_batch_size={args.group_size}",
            f"--overlong_buffer={min(args.max_new_tokens // 3, 24)}", "--eval_every=0",
            f"--checkpoint_every={args.steps}", f"--seed={args.seed}",
-           f"--rollout_slots={args.slots}", *variant_flags(name, args.schedule), *args.flag]
+           f"--rollout_slots={args.slots}", *variant_flags(name, args.schedule, args.divide),
+           *args.flag]
   trainer = Trainer(parse_flags(flags))
   try:
     before = sum(TRACE_COUNTS.values())
@@ -90,6 +96,12 @@ def main(argv=None) -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--schedule", default="history", choices=[s for s in SCHEDULES if s != "fifo"],
                   help="the +HistoPipe variants' --schedule")
+  ap.add_argument("--divide_every", type=int, default=0,
+                  help="+HistoPipe variants: divided rollout every this many tokens (needs "
+                       "--schedule probe or residual); 0 = off")
+  ap.add_argument("--park_rows", type=int, default=0,
+                  help="+HistoPipe variants with --divide_every: parked KV rows (0: one per "
+                       "sample of a step)")
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--flag", action="append", default=[],
                   help="an extra trainer flag for every variant, e.g. --flag=--model=DIR")
@@ -103,6 +115,9 @@ def main(argv=None) -> None:
   if args.steps < 1 or args.prompts < 1 or args.group_size < 2 or args.max_new_tokens < 3:
     ap.error("--steps, --prompts >= 1, --group_size >= 2, --max_new_tokens >= 3")
   args.slots = args.slots or max(args.prompts * args.group_size // 2, 1)
+  if args.divide_every < 0 or args.park_rows < 0:
+    ap.error("--divide_every, --park_rows: must be >= 0")
+  args.divide = (args.divide_every, args.park_rows or args.prompts * args.group_size)
   load = os.getloadavg()[0]
   run_root = tempfile.mkdtemp(prefix="schedule_grpo_")
   histories, compiles = {}, {}
@@ -125,7 +140,8 @@ def main(argv=None) -> None:
     t_all = sum(m["time/rollout"] for m in h)
     t_later = sum(m["time/rollout"] for m in later)
     b_later = sum(m["time/rollout"] for m in (base[1:] or base))
-    summary.append([name, " ".join(variant_flags(name, args.schedule)), f"{t_all:.1f}",
+    summary.append([name, " ".join(variant_flags(name, args.schedule, args.divide)),
+                    f"{t_all:.1f}",
                     f"{t_later:.1f}", f"{t_later / b_later:.2f}",
                     f"{sum(m['time/rollout_tail'] for m in later):.1f}", compiles[name],
                     all_steps_crc(h)])

@@ -53,7 +53,8 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       speculate=c.rollout.speculate if drafting else "never",
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
       attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed,
-      divide_every=c.rollout.divide_every, park_rows=c.rollout.park_rows)
+      divide_every=c.rollout.divide_every,
+      park_rows=c.rollout.park_rows if c.rollout.divide_every else 0)  # no pool unless used
 
 
 def request_base(config: Config, step: int, round_idx: int, process_index: int = 0,

@@ -8,7 +8,10 @@ scheduling's "history_residual": longest expected remaining work first) whether 
 should run instead. If so, the request's KV row is copied into a pool of `park_rows` rows on
 the device (`ParkPool`), it rejoins the queue with its tokens so far, and a later admission
 copies the row back into whichever slot frees. Nothing is recomputed, and since sampling keys
-depend on (seed, request, position) alone, the tokens are those of an undivided rollout.
+depend on (seed, request, position) alone, the tokens are those of an undivided rollout. A row
+parks while the step before is still in flight (the device copies after it); the request may
+resume only once the engine has read that step, so the pipeline never stops for a yield. Each
+yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU).
 
 The pool's size is a compile-time constant, so the copies compile once per bucket at warm-up.
 Started-and-unfinished requests are at most slots + park_rows: a full pool stops yields until a
@@ -56,6 +59,10 @@ class ParkPool:
     self._row_of[request_id] = row
     self.peak = max(self.peak, len(self._row_of))
 
+  def drop(self, request_id: int) -> None:
+    """Frees a parked request's row without copying it back (it finished in flight)."""
+    self._free.append(self._row_of.pop(request_id))
+
   def resume(self, cache: KVCache, slot: int, request_id: int) -> KVCache:
     """`cache` (donated) with the parked request's KV row written into `slot`; frees its row."""
     row = self._row_of.pop(request_id)
@@ -73,44 +80,43 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
   """Slots whose request should give way to a queued one, at most `room` (free pool rows).
 
   A request is asked once per `every` tokens it generates in a slot (`LiveRequest.since` marks
-  the last time): it yields when `admission.next_to_admit`, offered the queue plus this request,
-  picks another. Only while more requests wait than slots free up, so a yield never leaves a
-  slot empty for lack of work.
+  the last time): it yields when `admission.should_yield(queue, request, finished, live,
+  every)` says so, or for an order without that method, when `next_to_admit`, offered the
+  queue plus this request, picks another. Only while more requests wait than slots free up,
+  so a yield never leaves a slot empty for lack of work.
   """
   out: list[int] = []
   free = sum(lv is None for lv in slots)
   for i, lv in enumerate(slots):
     if len(out) >= room or len(queue) <= free + len(out):
       break
-    if lv is None or lv.done or lv.draining or len(lv.tokens) - lv.since < every:
+    if lv is None or lv.done or len(lv.tokens) - lv.since < every:
       continue
     lv.since = len(lv.tokens)
-    if admission.next_to_admit(list(queue) + [lv.req], finished, live) != len(queue):
+    if hasattr(admission, "should_yield"):
+      give = admission.should_yield(queue, lv.req, finished, live, every)
+    else:
+      give = admission.next_to_admit(list(queue) + [lv.req], finished, live) != len(queue)
+    if give:
       out.append(i)
   return out
 
 
-def divide(pool: ParkPool, cache: KVCache, slots: list, queue: list, parked: dict, admission,
-           finished: dict, live: dict, every: int, in_flight_rows: list) -> int:
-  """One round of divided rollout before the engine's admissions; returns the slots freed.
 
-  Marks the rows that should yield (`slots_to_yield`, within the pool's free rows), then parks
-  every marked row whose last step has been read, i.e. that is not in the step still in
-  flight (`in_flight_rows`: its (slot, LiveRequest, ...) rows): its KV row is copied into the
-  pool, its slot freed, its request appended to `queue` and its record kept in `parked` (by
-  request id) until an admission resumes it. A marked row still in flight is left out of the
-  next step and parked on the next round.
-  """
-  room = pool.free_rows() - sum(lv is not None and lv.draining for lv in slots)
-  for i in slots_to_yield(slots, queue, admission, finished, live, every, room):
-    slots[i].draining = True
-  busy = [row[1] for row in in_flight_rows]
-  freed = 0
-  for i, lv in enumerate(slots):
-    if lv is not None and lv.draining and not any(lv is r for r in busy):
-      pool.park(cache, i, lv.req.request_id)
-      lv.draining, slots[i] = False, None
-      parked[lv.req.request_id] = lv
+
+
+def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], parked: dict,
+         queue: list, landing: list | None) -> None:
+  """Parks the requests of slots `marked`: KV row into the pool (the device copies it after
+  every step already dispatched), slot freed, record kept in `parked` by request id until an
+  admission resumes it. The request rejoins `queue` at once, or, while a step holding it is in
+  flight (`landing` given), its record waits in `landing` for the engine to read that step."""
+  for i in marked:
+    lv = slots[i]
+    pool.park(cache, i, lv.req.request_id)
+    slots[i] = None
+    parked[lv.req.request_id] = lv
+    if landing is None:
       queue.append(lv.req)
-      freed += 1
-  return freed
+    else:
+      landing.append(lv)

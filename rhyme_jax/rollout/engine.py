@@ -34,7 +34,7 @@ from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
-from rhyme_jax.rollout.divided import ParkPool, divide
+from rhyme_jax.rollout.divided import ParkPool, park, slots_to_yield
 from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
@@ -279,6 +279,7 @@ class RolloutEngine:
     if pool is not None:
       pool.reset()
     parked: dict[int, LiveRequest] = {}
+    landing: list[LiveRequest] = []  # parked while their last step is unread
     # A step's cost is the time from the previous step's outputs to its own: the device runs
     # steps in order, so this is its device time plus whatever kept the device idle before it
     # (the host reading the previous step, planning and drafting when speculation broke the
@@ -292,7 +293,8 @@ class RolloutEngine:
       results[id(lv.req)] = lv.result(reason, time.perf_counter() - t0)
       lv.done = True
       finished_len[lv.req.request_id] = len(lv.tokens)
-      slots[slot] = None
+      if slots[slot] is lv:  # a request parked in flight no longer holds its slot
+        slots[slot] = None
       self.costs.forget(lv.req.request_id)
       if self.drafter is not None:
         self.drafter.finish(lv.req.request_id, lv.req.group_id)
@@ -346,16 +348,27 @@ class RolloutEngine:
                                drafted, emitted - 1)
         if reason:
           finish(slot, lv, reason)
+      for lv in landing:  # parked while this step ran: now it may resume, or it has ended
+        if lv.done:
+          pool.drop(lv.req.request_id)
+          del parked[lv.req.request_id]
+        else:
+          queue.append(lv.req)
+      landing.clear()
 
     while queue or any(slots) or pending is not None:
       admits = []
       live_len = ({lv.req.request_id: len(lv.tokens) for lv in slots + list(parked.values())
                    if lv is not None} if admission is not None and queue else {})
       if dividing and queue:  # divided rollout: rows give way to queued requests
-        yields = divide(pool, state.cache, slots, queue, parked, admission, finished_len,
-                        live_len, cfg.divide_every, [] if pending is None else pending.rows)
-        stats.yields += yields
-        untimed = untimed or yields > 0
+        marked = slots_to_yield(slots, queue, admission, finished_len, live_len,
+                                cfg.divide_every, pool.free_rows())
+        # Parked behind the step in flight (the device copies their KV after it); they rejoin
+        # the queue once that step is read, with its tokens (`process`).
+        park(pool, state.cache, slots, marked, parked, queue,
+             None if pending is None else landing)
+        stats.yields += len(marked)
+        untimed = untimed or bool(marked)
       resumed = {}
       for i in range(bucket):
         if slots[i] is None and queue:
@@ -376,7 +389,7 @@ class RolloutEngine:
           live_len[req.request_id] = len(lv.tokens)
       state = self._admit(state, admits, resumed)
       untimed = untimed or bool(admits)
-      live_idx = [i for i in range(bucket) if slots[i] is not None and not slots[i].draining]
+      live_idx = [i for i in range(bucket) if slots[i] is not None]
       if pending is None:
         while not queue and live_idx and self.bucket_for(len(live_idx)) < bucket:
           rows = live_idx + [i for i in range(len(slots)) if slots[i] is None]
@@ -440,8 +453,7 @@ class RolloutEngine:
       draft_s = time.perf_counter() - td
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
-      live_B = np.zeros(bucket, bool)
-      live_B[live_idx] = True
+      live_B = [slots[i] is not None for i in range(bucket)]
       packed = accept.pack(trees, live_B, p)
       state, out = self.verify(state, packed, filters, s, t)
       shape = (bucket, p, t, s)

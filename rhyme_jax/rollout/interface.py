@@ -40,7 +40,9 @@ class AdmissionOrder(Protocol):
   An order with `online = True` may also be asked about a running request (divided rollout,
   `EngineConfig.divide_every`): `next_to_admit` gets the queue with that request appended and
   `live` holding its tokens so far; picking it keeps it running, picking another makes it
-  yield its slot and rejoin the queue (its KV parked). Orders without the attribute are static.
+  yield its slot and rejoin the queue (its KV parked). An online order may instead define
+  `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. with a
+  margin against swapping back and forth). Orders without `online` are static.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...

@@ -29,7 +29,6 @@ class LiveRequest:
   ahead: DraftTree | None = None  # drafted ahead from the context before the last step
   ahead_from: int = -1  # response length that tree continues
   since: int = 0  # response length when last (re)admitted or asked to yield (divided rollout)
-  draining: bool = False  # yields its slot once the step in flight is read (divided rollout)
 
   def finish_reason(self, eos_ids) -> str | None:
     """"eos", "stop", "length" once the tokens so far end the response, else None."""

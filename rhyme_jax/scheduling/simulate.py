@@ -19,7 +19,9 @@ than rows (`SimResult.peak_started` counts them); with `keep_kv=False` the KV is
 instead, and every resumption that is not immediate pays the re-prefill too.
 
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
-frees, `should_yield(generated_since_admission)` from `DividedRollout` after each step. The
+frees, and every `chunk` tokens of a running request (divided rollout) the policy's own
+`should_yield` where it has one and its shard's queue holds work (as rollout/divided.py asks it;
+history_residual yields only past a chunk of margin), else a yield. The
 `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
 queued (what an online policy needs to rank a resumption).
 """
@@ -193,7 +195,13 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         started -= 1
         continue
       live_len[rid] = int(j.progress)
-      (yielded if cfg.divided.should_yield(j.progress - j.since) else keep).append(j)
+      give = cfg.divided.should_yield(j.progress - j.since)
+      if give and queues[s] and hasattr(policies[s], "should_yield"):  # the policy's rule
+        give = policies[s].should_yield([x.meta for x in queues[s]], j.meta, finished,
+                                        live_len, cfg.divided.chunk)
+        if not give:
+          j.since = j.progress  # offered again after another chunk
+      (yielded if give else keep).append(j)
     rows[s] = keep
     for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
       j.yielded_at = shard_steps[s]

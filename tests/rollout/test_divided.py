@@ -94,8 +94,8 @@ def test_history_residual_divides_with_a_real_predictor(tiny_model):
   history of lengths) drives the yields; one park row bounds the parked requests."""
   reqs = requests()
   table = LengthTable()
-  for g in range(4):  # group 0's prompt ran long last epoch, the others short
-    table.add(g, 0, [24, 24, 20, 22] if g == 0 else [3, 4, 2, 5])
+  for g in range(4):  # every prompt ran to the cap last epoch: fresh requests outrank
+    table.add(g, 0, [24, 24, 24, 24])  # running ones by more than a chunk from 6 tokens on
   reqs = [dataclasses.replace(r, prompt_key=r.group_id) for r in reqs]
   base = engine(tiny_model).generate(reqs)
   eng = engine(tiny_model, divide_every=3, park_rows=1)
@@ -110,3 +110,19 @@ def test_divide_every_needs_park_rows():
     EngineConfig(divide_every=8)
   with pytest.raises(ValueError, match="divide_every"):
     EngineConfig(divide_every=-1, park_rows=2)
+
+
+def test_a_request_parked_in_flight_that_finished_frees_its_row(tiny_model, monkeypatch):
+  """Rows park while the step before is still in flight; when that step ends the request
+  (EOS or its cap), its pool row is freed without a copy back and it never resumes."""
+  from rhyme_jax.rollout import divided
+  drops = []
+  real_drop = divided.ParkPool.drop
+  monkeypatch.setattr(divided.ParkPool, "drop",
+                      lambda self, rid: (drops.append(rid), real_drop(self, rid)))
+  base = engine(tiny_model).generate(requests(24, seed=4))
+  eng = engine(tiny_model, divide_every=1, park_rows=4)
+  divided_results = eng.generate(requests(24, seed=4), admission=FewestTokensFirst())
+  _same(base, divided_results)
+  assert drops and eng.stats.yields > len(drops)
+  assert eng.park_pool().free_rows() == 4  # every row back in the pool at the end
