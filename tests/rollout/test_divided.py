@@ -126,3 +126,18 @@ def test_a_request_parked_in_flight_that_finished_frees_its_row(tiny_model, monk
   _same(base, divided_results)
   assert drops and eng.stats.yields > len(drops)
   assert eng.park_pool().free_rows() == 4  # every row back in the pool at the end
+
+
+def test_no_compilation_when_dividing_with_params_on_a_mesh(tiny_model):
+  """The trainer's case: params on a (one-device) mesh; the park pool is placed as the states
+  are, so parking and resuming after warm-up compile nothing."""
+  import jax
+  from flax import nnx
+  from rhyme_jax import parallel
+  graphdef, params = nnx.split(tiny_model)
+  mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  eng = engine(nnx.merge(graphdef, placed), divide_every=4, park_rows=3)
+  before = dict(TRACE_COUNTS)
+  eng.generate(requests(), admission=FewestTokensFirst())
+  assert dict(TRACE_COUNTS) == before and eng.stats.yields > 0
