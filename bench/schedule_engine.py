@@ -46,6 +46,7 @@ from rhyme_jax.history.store import prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
+from rhyme_jax.rollout.live import LiveRequest  # noqa: E402
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
 from rhyme_jax.scheduling.admission import EngineOrder, make_policy  # noqa: E402
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
@@ -100,7 +101,7 @@ def park_copy_seconds(engine, reps: int = 20) -> float:
   best = float("inf")
   for i in range(min(reps, pool.rows)):
     t0 = time.perf_counter()
-    pool.park(state.cache, 0, i)
+    pool.park(state.cache, 0, LiveRequest(Request(i, [0])))
     jax.block_until_ready(pool.cache)
     best = min(best, time.perf_counter() - t0)
   pool.reset()

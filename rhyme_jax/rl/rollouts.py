@@ -111,11 +111,11 @@ class Rollouts:
     admission = None
     if self.predictor is not None:
       self.predictor.refresh()  # the store gained last round's groups
-      park = c.rollout.park_rows if c.rollout.divide_every else 0
+      eng = self.engine.config  # its park rows: 0 unless dividing
       admission = plan_step(requests, self.predictor, step=step,
                             policy=SCHEDULES[c.rollout.schedule],
-                            kv_budget=max(self.engine.config.buckets) + park if park else None
-                            ).admission(0)
+                            kv_budget=(max(eng.buckets) + eng.park_rows if eng.park_rows
+                                       else None)).admission(0)
     results = self.engine.generate(requests, admission=admission)
     for k in _ENGINE_COUNTERS:
       stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)

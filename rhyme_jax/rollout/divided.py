@@ -29,43 +29,48 @@ from rhyme_jax.rollout import compiled
 
 
 class ParkPool:
-  """`rows` KV rows on the device for requests that yielded their slot, keyed by request id."""
+  """`rows` KV rows on the device for requests that yielded their slot, each with the engine's
+  record of it (`LiveRequest`: tokens so far), keyed by request id."""
 
   def __init__(self, model_config, rows: int, cache_len: int, place: Callable[[Any], Any]):
     self.cache = place(KVCache.zeros(model_config, rows, cache_len))
     self.rows = rows
-    self._free = list(range(rows - 1, -1, -1))
-    self._row_of: dict[int, int] = {}
-    self.peak = 0  # most requests parked at once (since `reset`)
+    self.reset()
 
   def reset(self) -> None:
     """Forgets every parked request (the rows' contents are dead: overwritten on reuse)."""
     self._free = list(range(self.rows - 1, -1, -1))
-    self._row_of = {}
-    self.peak = 0
+    self._held: dict[int, tuple[int, Any]] = {}  # request id -> (row, record)
+    self.peak = 0  # most requests parked at once (since `reset`)
 
   def free_rows(self) -> int:
     return len(self._free)
 
-  def __contains__(self, request_id: int) -> bool:
-    return request_id in self._row_of
+  def record(self, request_id: int):
+    """The parked request's record, or None when it is not parked."""
+    held = self._held.get(request_id)
+    return None if held is None else held[1]
 
-  def park(self, cache: KVCache, slot: int, request_id: int) -> None:
-    """Copies `slot`'s KV row of `cache` (not donated) into a free pool row."""
+  def records(self) -> list:
+    return [rec for _, rec in self._held.values()]
+
+  def park(self, cache: KVCache, slot: int, record) -> None:
+    """Copies `slot`'s KV row of `cache` (not donated) into a free pool row and keeps
+    `record` (its `.req.request_id` the key) until the request resumes or is dropped."""
     if not self._free:
       raise RuntimeError("ParkPool.park: no free row (the engine checks free_rows first)")
     row = self._free.pop()
     self.cache = compiled.copy_row_jit(self.cache, cache, jnp.int32(row), jnp.int32(slot))
-    self._row_of[request_id] = row
-    self.peak = max(self.peak, len(self._row_of))
+    self._held[record.req.request_id] = (row, record)
+    self.peak = max(self.peak, len(self._held))
 
   def drop(self, request_id: int) -> None:
     """Frees a parked request's row without copying it back (it finished in flight)."""
-    self._free.append(self._row_of.pop(request_id))
+    self._free.append(self._held.pop(request_id)[0])
 
   def resume(self, cache: KVCache, slot: int, request_id: int) -> KVCache:
     """`cache` (donated) with the parked request's KV row written into `slot`; frees its row."""
-    row = self._row_of.pop(request_id)
+    row, _ = self._held.pop(request_id)
     self._free.append(row)
     return compiled.copy_row_jit(cache, self.cache, jnp.int32(slot), jnp.int32(row))
 
@@ -102,20 +107,16 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
   return out
 
 
-
-
-
-def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], parked: dict,
-         queue: list, landing: list | None) -> None:
-  """Parks the requests of slots `marked`: KV row into the pool (the device copies it after
-  every step already dispatched), slot freed, record kept in `parked` by request id until an
-  admission resumes it. The request rejoins `queue` at once, or, while a step holding it is in
-  flight (`landing` given), its record waits in `landing` for the engine to read that step."""
+def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], queue: list,
+         landing: list | None) -> None:
+  """Parks the requests of slots `marked`: KV row and record into the pool (the device copies
+  the row after every step already dispatched), slot freed. The request rejoins `queue` at
+  once, or, while a step holding it is in flight (`landing` given), its record waits in
+  `landing` for the engine to read that step."""
   for i in marked:
     lv = slots[i]
-    pool.park(cache, i, lv.req.request_id)
+    pool.park(cache, i, lv)
     slots[i] = None
-    parked[lv.req.request_id] = lv
     if landing is None:
       queue.append(lv.req)
     else:

@@ -273,12 +273,11 @@ class RolloutEngine:
       self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
     pending: _Step | None = None
     # Divided rollout (divided.py) with an online admission order: requests that yielded their
-    # slot, by id; their KV waits in the park pool.
+    # slot wait in the park pool, KV row and record.
     dividing = cfg.divide_every > 0 and getattr(admission, "online", False)
     pool = self.park_pool() if dividing else None
     if pool is not None:
       pool.reset()
-    parked: dict[int, LiveRequest] = {}
     landing: list[LiveRequest] = []  # parked while their last step is unread
     # A step's cost is the time from the previous step's outputs to its own: the device runs
     # steps in order, so this is its device time plus whatever kept the device idle before it
@@ -351,21 +350,21 @@ class RolloutEngine:
       for lv in landing:  # parked while this step ran: now it may resume, or it has ended
         if lv.done:
           pool.drop(lv.req.request_id)
-          del parked[lv.req.request_id]
         else:
           queue.append(lv.req)
       landing.clear()
 
     while queue or any(slots) or pending is not None:
       admits = []
-      live_len = ({lv.req.request_id: len(lv.tokens) for lv in slots + list(parked.values())
-                   if lv is not None} if admission is not None and queue else {})
+      parked = pool.records() if pool is not None else []
+      live_len = ({lv.req.request_id: len(lv.tokens) for lv in slots + parked if lv is not None}
+                  if admission is not None and queue else {})
       if dividing and queue:  # divided rollout: rows give way to queued requests
         marked = slots_to_yield(slots, queue, admission, finished_len, live_len,
                                 cfg.divide_every, pool.free_rows())
         # Parked behind the step in flight (the device copies their KV after it); they rejoin
         # the queue once that step is read, with its tokens (`process`).
-        park(pool, state.cache, slots, marked, parked, queue,
+        park(pool, state.cache, slots, marked, queue,
              None if pending is None else landing)
         stats.yields += len(marked)
         untimed = untimed or bool(marked)
@@ -378,7 +377,7 @@ class RolloutEngine:
                              f"{len(queue)}")
           req = queue.pop(k)
           admits.append((i, req))
-          lv = parked.pop(req.request_id, None)
+          lv = pool.record(req.request_id) if pool is not None else None
           if lv is None:
             lv = LiveRequest(req)
             stats.admitted.append(req.request_id)
