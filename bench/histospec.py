@@ -221,14 +221,14 @@ def make_drafter(mode, store, args):
                         min_prob=args.min_prob)
 
 
-def summed_ratios(rows: list[dict]) -> dict[str, float]:
-  """Per drafting mode: its rollout seconds summed over (T, epoch) / plain's over the same."""
-  plain = {(r["temp"], r["epoch"]): r["total_s"] for r in rows if r["mode"] == "plain"}
+def summed_ratios(rows: list[dict], field: str = "total_s") -> dict[str, float]:
+  """Per drafting mode: its `field` seconds summed over (T, epoch) / plain's over the same."""
+  plain = {(r["temp"], r["epoch"]): r[field] for r in rows if r["mode"] == "plain"}
   out: dict[str, list[float]] = {}
   for r in rows:
     if r["mode"] != "plain":
       acc = out.setdefault(r["mode"], [0.0, 0.0])
-      acc[0] += r["total_s"]
+      acc[0] += r[field]
       acc[1] += plain[(r["temp"], r["epoch"])]
   return {m: a / b for m, (a, b) in out.items()}
 
@@ -258,7 +258,16 @@ def run(engine, reqs):
       ahead_hit=s.ahead_hits / offered if offered else float("nan"),
       device_ms=1e3 * s.device_time_s / max(s.steps, 1),
       decode_tps=s.tokens / max(decode_s, 1e-9), total_tps=s.tokens_per_s,
-      total_s=s.total_time_s)
+      total_s=s.total_time_s, spec_steps=s.spec_steps, asked_steps=s.asked_steps,
+      shapes=dict(s.steps_by_shape), draft_s=s.draft_time_s)
+
+
+def modelled_seconds(run_stats: dict, costs) -> float:
+  """A run's decode time with every step at its shape's warm-up time (one table for all the
+  engines of a temperature, so run-to-run machine noise drops out), plus its measured
+  critical-path drafting. Not modelled: the pipeline drain of a step that asked for drafts."""
+  return run_stats["draft_s"] + sum(n * costs.time(shape)
+                                    for shape, n in run_stats["shapes"].items())
 
 
 def main(argv=None):
@@ -311,6 +320,7 @@ def main(argv=None):
       # the epoch, so their tokens can be compared.
       ecfg = dataclasses.replace(cfg, seed=args.seed * 1000 + (0 if args.reuse_seed else epoch))
       plain_results, plain = run(RolloutEngine(model, ecfg, None), reqs)
+      plain["model_s"] = modelled_seconds(plain, warm.costs)
       line = dict(temp=temp, epoch=epoch, mode="plain", same=len(reqs), **plain)
       rows.append(line)
       print(f"[histospec] T={temp} epoch {epoch} plain: {plain['tokens']} tokens, "
@@ -328,6 +338,7 @@ def main(argv=None):
             costs_of[label] = engine.costs
           engine.costs = costs_of[label]
           results, st = run(engine, reqs)
+          st["model_s"] = modelled_seconds(st, warm.costs)
           same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(plain_results, results))
           rows.append(dict(temp=temp, epoch=epoch, mode=label, same=same, **st))
           print(f"[histospec] T={temp} epoch {epoch} {label}: accepted length {st['mal']:.2f}, "
@@ -335,7 +346,8 @@ def main(argv=None):
                 f"ms/step (+{st['ahead_ms']:.2f} ahead, hit {st['ahead_hit']:.2f}), device "
                 f"{st['device_ms']:.2f} ms/step, decode {st['decode_tps']:.1f} tok/s "
                 f"({st['decode_tps'] / plain['decode_tps']:.2f}x), same tokens "
-                f"{same}/{len(reqs)}, {st['total_s']:.1f}s", flush=True)
+                f"{same}/{len(reqs)}, {st['total_s']:.1f}s; steps asked / speculative / all "
+                f"{st['asked_steps']} / {st['spec_steps']} / {st['steps']}", flush=True)
       if len(rows) > 1 and rows[-1]["mode"] != "plain":
         # Plain again, after the drafting engines: runs later in an epoch ran up to ~10% faster
         # on an otherwise idle CPU (same work), so plain's times are the mean of a run before
@@ -370,13 +382,16 @@ def main(argv=None):
         f"{r['hit']:.2f}" if spec else "-", f"{r['fpt']:.3f}",
         f"{r['draft_ms']:.2f}" if spec else "-",
         f"{r['ahead_ms']:.2f} / {r['ahead_hit']:.2f}" if "+ahead" in r["mode"] else "-",
-        f"{r['device_ms']:.2f}", f"{r['same']}/{p['same']}",
+        f"{r['device_ms']:.2f}", f"{r['asked_steps']} / {r['spec_steps']} / {r['steps']}",
+        f"{r['same']}/{p['same']}",
         f"{r['decode_tps']:.1f}", f"{r['decode_tps'] / p['decode_tps']:.2f}x",
-        f"{r['total_tps']:.1f}", f"{r['total_tps'] / p['total_tps']:.2f}x"])
+        f"{r['total_tps']:.1f}", f"{r['total_tps'] / p['total_tps']:.2f}x",
+        f"{r['model_s']:.2f}", f"{r['model_s'] / p['model_s']:.3f}"])
   headers = ["T", "epoch", "drafts", "tokens", "accepted len/verify", "hit rate", "fwd/token",
-             "draft ms/step", "ahead ms/step / hit", "device ms/step", "same tokens",
+             "draft ms/step", "ahead ms/step / hit", "device ms/step",
+             "steps asked / spec / all", "same tokens",
              "decode tok/s", "vs plain", "rollout tok/s",
-             "vs plain"]
+             "vs plain", "modelled decode s", "modelled / plain"]
   table = common.markdown_table(headers, table_rows)
   print(table)
   for temp, before, after in compiled_in_rollouts:  # a compile inside a timed rollout skews tok/s
@@ -402,11 +417,16 @@ def main(argv=None):
       "plain's times: mean of a run before and one after the drafting engines of its epoch "
       "(same tokens), so run order favours no one",
       "rollout time summed over the epochs each ran, drafting engine / plain: " + ", ".join(
-          f"{m} {ratio:.3f}" for m, ratio in summed_ratios(rows).items()),
+          f"{m} {ratio:.3f}" for m, ratio in summed_ratios(rows).items())
+      + "; modelled decode time (every step at its shape's warm-up time + measured drafting; "
+      "no machine noise, pipeline drains of asked steps not modelled): " + ", ".join(
+          f"{m} {ratio:.3f}" for m, ratio in summed_ratios(rows, "model_s").items()),
       "draft ms/step = host drafting on the critical path (device idle); ahead ms/step = "
       "drafting in a background thread while the device verifies (+ahead / +ahead_only rows), "
       "hit = share of queries whose emitted tokens stayed inside their tree drafted ahead; "
-      "device ms/step = dispatch to outputs on the host",
+      "device ms/step = dispatch to outputs on the host; steps asked = steps that drafted "
+      "(speculative, or plain when the drafts were not worth verifying: the pipeline drained "
+      "for nothing)",
       "decode tok/s = tokens / (critical-path drafting + device step time + waiting for the "
       "background drafts), prefill excluded; rollout "
       "tok/s includes prefill; 'same tokens' counts requests equal to the plain run's; "

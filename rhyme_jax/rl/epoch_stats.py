@@ -13,6 +13,8 @@ that never stopped.
   epoch/hit_rate         accepted draft nodes / verified draft nodes
   epoch/drafted_per_step verified draft nodes per slot-verify
   epoch/spec_step_frac   share of decode steps that were speculative (the cost model's choice)
+  epoch/asked_step_frac  share of decode steps that asked for drafts (speculative, or plain
+                         after drafting: the pipeline drained for nothing)
   epoch/reward           mean reward of the epoch's samples
   epoch/response_length  mean response length of the epoch's samples
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 _SUMS = ("tokens", "useful_slot_steps", "drafted", "accepted", "steps", "spec_steps",
-         "samples", "reward", "length")
+         "asked_steps", "samples", "reward", "length")
 
 
 class EpochStats:
@@ -39,7 +41,8 @@ class EpochStats:
     if epoch != self.epoch:
       self.epoch, self.sums = epoch, dict.fromkeys(_SUMS, 0.0)
     s = self.sums
-    for k in ("tokens", "useful_slot_steps", "drafted", "accepted", "steps", "spec_steps"):
+    for k in ("tokens", "useful_slot_steps", "drafted", "accepted", "steps", "spec_steps",
+              "asked_steps"):
       s[k] += float(stats.get(k, 0))
     s["samples"] += len(rewards)
     s["reward"] += float(sum(rewards))
@@ -53,6 +56,7 @@ class EpochStats:
             "epoch/hit_rate": s["accepted"] / max(s["drafted"], 1.0),
             "epoch/drafted_per_step": s["drafted"] / max(s["useful_slot_steps"], 1.0),
             "epoch/spec_step_frac": s["spec_steps"] / max(s["steps"], 1.0),
+            "epoch/asked_step_frac": s["asked_steps"] / max(s["steps"], 1.0),
             "epoch/reward": s["reward"] / max(s["samples"], 1.0),
             "epoch/response_length": s["length"] / max(s["samples"], 1.0)}
 

@@ -37,8 +37,9 @@ from rhyme_jax.scheduling.predictor import LengthPredictor, StoreLengths
 from rhyme_jax.scheduling.simulate import tail_time
 
 # Engine counters summed over a step's rollout rounds.
-_ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "drafted", "accepted",
-                    "draft_time_s", "lookahead_time_s", "ahead_hits", "ahead_misses", "yields")
+_ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked_steps",
+                    "drafted", "accepted", "draft_time_s", "lookahead_time_s", "ahead_hits",
+                    "ahead_misses", "yields")
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:

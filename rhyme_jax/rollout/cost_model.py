@@ -23,6 +23,15 @@ Choosing by estimates favours the rows and steps whose estimates are high by cha
 winner's curse): on SmolLM2 GSM8K history drafts the chosen steps accepted ~20% fewer tokens
 than the estimates they were chosen for. So the gains of a choice are scaled by what chosen
 steps accepted over what they were expected to (all requests, decayed; prior 1).
+
+Whether to ask for drafts at all is decided before they exist (asking costs the pipelined
+step: the host must read the previous step first), from chains at each request's acceptance.
+Drafts the choice then finds not worth verifying teach the acceptance estimate nothing, so
+without a check the engine could ask, drain the pipeline and step plain, step after step (on
+the 2-core CPU, history drafts at T=1.0 lost up to 26% that way). So the asking decision is
+calibrated end to end: the tokens asked steps accepted over the gain the decision expected
+(decayed, prior 1) scale its estimates; steps not asked decay that evidence slowly, so a
+drafter that improves is asked again now and then.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import numpy as np
 
 Shape = tuple  # (bucket, packed P, tokens per row T, cache bucket S)
 _DECAY = 0.99  # per observation, of the counts shared by all requests
+_IDLE_DECAY = 0.995  # per step not asked for drafts, of the asking decision's evidence
 
 
 @dataclasses.dataclass
@@ -122,6 +132,9 @@ class CostModel:
     self._cal = _DepthCalibration(prior_strength)
     # Accepted draft nodes of chosen steps over the gains expected of them (decayed).
     self._realised = [prior_strength, prior_strength]
+    # Accepted draft nodes of steps that asked for drafts over the gains the asking decision
+    # expected (decayed evidence; the prior is added in `ask_scale`).
+    self._asked = [0.0, 0.0]
 
   # ---- step times --------------------------------------------------------------------------
 
@@ -171,6 +184,21 @@ class CostModel:
     """What chosen drafts accepted per token of gain the choice expected of them."""
     return self._realised[0] / self._realised[1]
 
+  @property
+  def ask_scale(self) -> float:
+    """What steps that asked for drafts accepted per token of gain asking expected of them."""
+    k = self.prior_strength
+    return (self._asked[0] + k) / (self._asked[1] + k)
+
+  def observe_asked(self, expected: float, accepted: int) -> None:
+    """After a step that asked for drafts: the gain the asking decision expected (unscaled) and
+    the draft tokens the step accepted over all its rows (0 when it ended plain)."""
+    self._asked = [_DECAY * self._asked[0] + accepted, _DECAY * self._asked[1] + expected]
+
+  def not_asked(self) -> None:
+    """A step that could have asked for drafts and did not: the evidence ages."""
+    self._asked = [_IDLE_DECAY * self._asked[0], _IDLE_DECAY * self._asked[1]]
+
   def observe_acceptance(self, request_id: Hashable, depth: int, accepted: int,
                          offered_D: np.ndarray | None = None,
                          expected: float | None = None) -> None:
@@ -205,13 +233,15 @@ class CostModel:
   # ---- the choice --------------------------------------------------------------------------
 
   def choose(self, plain: Shape | None, shapes: Sequence[Shape], values: Sequence[np.ndarray],
-             live: int) -> tuple[Shape, list[int], float]:
+             live: int, scale: float | None = None) -> tuple[Shape, list[int], float]:
     """The shape and per-row node counts with the most expected tokens per second.
 
     `values[r]` are row r's nodes' expected gains in best-first order (a prefix is a tree),
-    scaled here by `gain_scale`; returns (shape, nodes per row, expected tokens / s). Plain
-    when nothing pays; with `plain` None the best of `shapes` (forced speculation).
+    scaled here by `scale` (default `gain_scale`); returns (shape, nodes per row, expected
+    tokens / s). Plain when nothing pays; with `plain` None the best of `shapes` (forced
+    speculation).
     """
+    scale = self.gain_scale if scale is None else scale
     best = None if plain is None else (plain, [0] * len(values), live / self.time(plain))
     for shape in shapes:
       room, cap = shape[1] - live, shape[2] - 1
@@ -230,7 +260,7 @@ class CostModel:
           heapq.heappush(heap, (-values[r][take[r]], r))
       if gain <= 0 and plain is not None:
         continue
-      rate = (live + self.gain_scale * gain) / self.time(shape)
+      rate = (live + scale * gain) / self.time(shape)
       if best is None or rate > best[2]:
         best = (shape, take, rate)
     return best

@@ -53,6 +53,7 @@ class _Step:
   rows: list
   shape: tuple
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
+  ask_gain: float | None = None  # the gain the asking decision expected ("auto" only)
   timed: bool = False  # its completion-to-completion time is its shape's cost
   ahead: concurrent.futures.Future | None = None
   ahead_rows: list | None = None
@@ -214,22 +215,27 @@ class RolloutEngine:
 
   # ---- the loop --------------------------------------------------------------------------------
 
-  def _plan(self, bucket: int, slots: list, live_idx: list[int]) -> bool:
-    """Whether to draft this step: "always" does; "auto" asks the cost model whether any
-    speculative shape could beat a plain step with chains at each request's acceptance."""
+  def _plan(self, bucket: int, slots: list, live_idx: list[int]) -> tuple[bool, float | None]:
+    """Whether to draft this step, and the gain expected of asking ("auto" only): "always"
+    does; "auto" asks the cost model whether any speculative shape could beat a plain step with
+    chains at each request's acceptance, scaled by what asking delivered so far."""
     mode = self.config.speculate if self.drafter is not None else "never"
     shapes = self.config.spec_shapes(bucket)
     if mode == "never" or not shapes:
-      return False
+      return False, None
     if mode == "always":
-      return True
+      return True, None
     s = self.kv_lengths[-1]
     cap = max(t for _, t in shapes) - 1
     values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
               for i in live_idx]
-    shape, _, _ = self.costs.choose((bucket, bucket, 1, s), [(bucket, p, t, s) for p, t in shapes],
-                                    values, len(live_idx))
-    return shape[1] != bucket
+    shape, take, _ = self.costs.choose((bucket, bucket, 1, s),
+                                       [(bucket, p, t, s) for p, t in shapes], values,
+                                       len(live_idx), scale=self.costs.ask_scale)
+    if shape[1] == bucket:
+      self.costs.not_asked()
+      return False, None
+    return True, float(sum(v[:n].sum() for v, n in zip(values, take)))
 
   def generate(self, requests: Sequence[Request], admission: AdmissionOrder | None = None
                ) -> list[RequestResult]:
@@ -321,6 +327,7 @@ class RolloutEngine:
         for lv, tree in zip(st.ahead_rows, wide_trees):
           lv.ahead, lv.ahead_from = tree, len(lv.tokens)
       asked = st.shape[2] > 1 or st.asked
+      accepted = 0
       for slot, lv, drafted, depth, offered, expected in st.rows:
         if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
           continue
@@ -331,6 +338,7 @@ class RolloutEngine:
         lv.accepted += emitted - 1
         stats.drafted += drafted
         stats.accepted += emitted - 1
+        accepted += emitted - 1
         if asked and depth >= 0:
           self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
         reason, new = None, []
@@ -347,6 +355,8 @@ class RolloutEngine:
                                drafted, emitted - 1)
         if reason:
           finish(slot, lv, reason)
+      if st.ask_gain is not None:
+        self.costs.observe_asked(st.ask_gain, accepted)
       for lv in landing:  # parked while this step ran: now it may resume, or it has ended
         if lv.done:
           pool.drop(lv.req.request_id)
@@ -396,7 +406,7 @@ class RolloutEngine:
           slots = [slots[i] for i in rows[:bucket]]
           live_idx = list(range(len(live_idx)))
           untimed = True
-      speculate = bool(live_idx) and self._plan(bucket, slots, live_idx)
+      speculate, ask_gain = self._plan(bucket, slots, live_idx) if live_idx else (False, None)
       shrinks = not queue and self.bucket_for(len(live_idx)) < bucket
       if pending is not None and (speculate or shrinks or not cfg.pipeline or not live_idx):
         process(pending, blocking=True)  # drafts need the emitted tokens, moves a quiet state
@@ -457,7 +467,7 @@ class RolloutEngine:
       state, out = self.verify(state, packed, filters, s, t)
       shape = (bucket, p, t, s)
       rows = [(i, slots[i], counts[i], depths[i], offered[i], expected[i]) for i in live_idx]
-      st = _Step(out, rows, shape, asked=speculate,
+      st = _Step(out, rows, shape, asked=speculate, ask_gain=ask_gain,
                  timed=(t > 1 or not speculate) and not untimed)
       untimed = False
       if wide:
@@ -465,6 +475,7 @@ class RolloutEngine:
         st.ahead_rows = [slots[i] for i in live_idx]
       stats.steps += 1
       stats.spec_steps += t > 1
+      stats.asked_steps += speculate
       stats.steps_by_shape[shape] += 1
       stats.slot_steps += bucket
       stats.positions += p

@@ -192,6 +192,7 @@ class EngineStats:
 
   steps: int = 0  # verify steps (target forward passes of the decode phase)
   spec_steps: int = 0  # of which speculative
+  asked_steps: int = 0  # steps that asked for drafts (speculative, or plain after drafting)
   prefill_chunks: int = 0
   prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
   tokens: int = 0  # response tokens emitted

@@ -110,3 +110,23 @@ def test_chosen_steps_that_accept_less_than_expected_scale_gains_down():
   # Rows the step did not verify (depth <= 0) say nothing about it.
   m.observe_acceptance(999, depth=0, accepted=0, expected=5.0)
   assert m.gain_scale == pytest.approx(0.5, abs=0.05)
+
+
+def test_asking_that_delivers_nothing_stops_and_is_retried_later():
+  """The asking decision's scale falls with asked steps that accepted nothing, until chains at
+  the prior no longer pay, and recovers toward 1 as steps go by unasked (a drafter may improve)."""
+  m = model()
+  values = [np.array([0.5, 0.25])] * 4
+  assert m.choose(PLAIN, [SPEC], values, 4, scale=m.ask_scale)[0] == SPEC  # (4 + 3) / 1.5 > 4
+  asks = 0
+  while m.choose(PLAIN, [SPEC], values, 4, scale=m.ask_scale)[0] == SPEC:
+    m.observe_asked(3.0, 0)
+    asks += 1
+  assert 1 <= asks <= 3 and m.ask_scale < 0.67
+  idle = 0
+  while m.choose(PLAIN, [SPEC], values, 4, scale=m.ask_scale)[0] == PLAIN:
+    m.not_asked()
+    idle += 1
+  assert 20 <= idle <= 1000  # asked again, after a while
+  m.observe_asked(3.0, 3)  # asking that delivers what it expected keeps its scale near 1
+  assert m.ask_scale > 0.67

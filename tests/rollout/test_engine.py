@@ -167,7 +167,8 @@ def test_stop_sequences_and_max_tokens(tiny_model):
 def test_unverified_drafts_do_not_count_as_rejected(tiny_model):
   """A step that asked for drafts but verified none of a row's (the cost model found them not
   worth it) teaches the acceptance estimate nothing: before, each such step counted as a failed
-  level for every row, so the estimate fell until no step even asked for drafts."""
+  level for every row, so the estimate fell until no step even asked for drafts. What such
+  steps teach is that asking does not pay: the asking decision's own calibration stops it."""
   calls = []
 
   class Unlikely(OracleDrafter):  # right drafts the drafter itself rates as near-hopeless
@@ -185,6 +186,12 @@ def test_unverified_drafts_do_not_count_as_rejected(tiny_model):
   eng.costs.observe_time = lambda *a, **k: None
   res = eng.generate(requests(params))
   assert calls and eng.stats.spec_steps == 0  # asked (alpha's prior), then chose plain steps
+  # ... and stopped asking once asking had delivered nothing: before the asking decision was
+  # calibrated, every step of this rollout asked, drained the pipeline and stepped plain
+  # (24 of 24 steps were blocking reads).
+  assert len(calls) == eng.stats.asked_steps <= 0.25 * eng.stats.steps
+  assert eng.stats.host_waits <= 0.25 * eng.stats.steps
+  assert eng.costs.ask_scale < 1.0
   assert eng.costs.alpha("a request never seen") == pytest.approx(0.5)  # the prior, unmoved
   for a, b in zip(plain, res):
     np.testing.assert_array_equal(a.tokens, b.tokens)
