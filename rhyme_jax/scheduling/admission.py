@@ -187,7 +187,7 @@ class ResidualPolicy:
   LRPT (longest remaining processing time first) minimises the makespan of preemptible jobs
   on identical machines when remaining times are known; here they are expected values: a queued
   request of prompt k that already generated n tokens (it yielded its slot, Seer's divided
-  rollout) still needs E[L - n | L > n] over k's history lengths
+  rollout) still needs E[L - n | L > n] over k's history lengths, shrunk toward every prompt's
   (`LengthPredictor.remaining_tokens`). A request that has run long is thereby predicted long
   (its short siblings' lengths drop out of the conditional), a request at the cap of a prompt
   whose history ends short is predicted short, and before anything runs (n = 0) this is the

@@ -117,14 +117,20 @@ class LengthPredictor:
 
   stat: the group statistic ranked per epoch ("max" predicts a group's tail, "mean" its work).
   recency: weight of an epoch relative to the next newer one when ranks are averaged.
+  residual_prior: in `remaining_tokens`, the weight (in samples) of all prompts' residual life
+    against the prompt's own kept lengths.
   """
 
-  def __init__(self, source: LengthSource, stat: str = "mean", recency: float = 0.5):
+  def __init__(self, source: LengthSource, stat: str = "mean", recency: float = 0.5,
+               residual_prior: float = 4.0):
     if stat not in STATS:
       raise ValueError(f"LengthPredictor: stat={stat!r}: expected one of {STATS}")
     if not 0 < recency <= 1:
       raise ValueError(f"LengthPredictor: recency={recency}: must be in (0, 1]")
+    if not residual_prior >= 0:
+      raise ValueError(f"LengthPredictor: residual_prior={residual_prior}: must be >= 0")
     self.source, self.stat, self.recency = source, stat, float(recency)
+    self.residual_prior = float(residual_prior)
     self._population: dict[int, np.ndarray] | None = None
     self._all_lengths: np.ndarray | None = None
 
@@ -174,23 +180,32 @@ class LengthPredictor:
   def remaining_tokens(self, key: Hashable, generated: int, max_new_tokens: int) -> float:
     """Expected tokens still to come for a live request of prompt `key` with `generated` tokens.
 
-    E[L - n | L > n] over the prompt's kept lengths; over every prompt's when the request
-    already outran its own history; half the remaining room when it outran all history (no
-    evidence either way). Always in [1, max_new_tokens - generated] while room is left.
+    E[L - n | L > n], the residual life: over the prompt's kept lengths longer than n, with the
+    residual life over every prompt's lengths counted as `residual_prior` more samples. A group
+    of G = 8 kept lengths leaves one or two beyond a long-running request's n, whose mean alone
+    is noise: on the recorded SmolLM2 GSM8K T=0.6 trace (64 slots, flat H100 step times,
+    divided rollout every 16 tokens) the own-lengths-only estimate finished at 1.032 of the
+    oracle's makespan, shrunk with a prior of 2-16 samples at 0.986 (bench/RESULTS.md). Half
+    the remaining room when the request outran all history (no evidence either way). Always
+    in [1, max_new_tokens - generated] while room is left.
     """
     room = max_new_tokens - generated
     if room <= 0:
       return 0.0
-    own = [l for _, l in self.source.epoch_lengths(key)]
     if self._all_lengths is None:
       every = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
       self._all_lengths = np.concatenate(every).astype(np.float64) if every else np.zeros(0)
-    for lengths in (np.concatenate(own).astype(np.float64) if own else np.zeros(0),
-                    self._all_lengths):
-      longer = lengths[lengths > generated]
-      if longer.size:
-        return float(np.clip(longer.mean() - generated, 1.0, room))
-    return max(room / 2, 1.0)
+    every = self._all_lengths[self._all_lengths > generated]
+    own = [l for _, l in self.source.epoch_lengths(key)]
+    own = np.concatenate(own).astype(np.float64) if own else np.zeros(0)
+    own = own[own > generated]
+    if not every.size:
+      return max(room / 2, 1.0)
+    residual = every.mean() - generated  # every prompt's: all there is once it outran its own
+    if own.size:
+      k = self.residual_prior
+      residual = (own.sum() - own.size * generated + k * residual) / (own.size + k)
+    return float(np.clip(residual, 1.0, room))
 
   def remaining_work(self, live: Mapping[Hashable, tuple[Hashable, int, int]]) -> dict:
     """{request_id: expected remaining tokens} for live requests given as

@@ -93,7 +93,7 @@ def test_remaining_tokens_is_the_empirical_residual_life():
   table = LengthTable()
   table.add("a", 0, [10, 20, 30])
   table.add("b", 0, [100, 200])
-  pred = LengthPredictor(table)
+  pred = LengthPredictor(table, residual_prior=0)  # the prompt's own lengths alone
   assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)
   assert pred.remaining_tokens("a", 15, 1000) == pytest.approx(10.0)  # E[L | L > 15] = 25
   # Outran its own history: every prompt's lengths above 35 (100, 200) -> 150 - 35.
@@ -105,9 +105,31 @@ def test_remaining_tokens_is_the_empirical_residual_life():
   assert work == {7: pytest.approx(10.0), 8: pytest.approx(150.0)}
 
 
+def test_residual_life_is_shrunk_toward_every_prompts():
+  """Own lengths beyond n are few (one or two of a group of 8 for a long-running request):
+  every prompt's residual life counts as `residual_prior` more samples."""
+  table = LengthTable()
+  table.add("a", 0, [10, 20, 30])
+  table.add("b", 0, [100, 200])
+  pred = LengthPredictor(table, residual_prior=2)
+  # n = 25: own {30} -> 5 left; every prompt's {30, 100, 200} -> 110 - 25 = 85 left.
+  assert pred.remaining_tokens("a", 25, 1000) == pytest.approx((5 + 2 * 85) / 3)
+  # n = 0: own mean 20, every prompt's mean 72 -> (3 * 20 + 2 * 72) / 5.
+  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx((60 + 144) / 5)
+  # Outran its own history: every prompt's residual life, whatever the prior.
+  assert pred.remaining_tokens("a", 35, 1000) == pytest.approx(115.0)
+  many = LengthTable()  # with many own samples the prior hardly moves the estimate
+  many.add("a", 0, [30] * 200)
+  many.add("b", 0, [300] * 8)
+  assert LengthPredictor(many, residual_prior=2).remaining_tokens("a", 25, 1000) == (
+      pytest.approx(5.0, rel=0.15))
+
+
 def test_bad_arguments_name_themselves():
   with pytest.raises(ValueError, match="stat="):
     LengthPredictor(LengthTable(), stat="p99")
+  with pytest.raises(ValueError, match="residual_prior="):
+    LengthPredictor(LengthTable(), residual_prior=-1)
   with pytest.raises(ValueError, match="recency="):
     LengthPredictor(LengthTable(), recency=0.0)
   with pytest.raises(ValueError, match="negative length"):

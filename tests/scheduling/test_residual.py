@@ -14,10 +14,11 @@ FLAT = StepTimeTable({(1, 0): 1.0, (64, 0): 1.0})
 
 
 def _predictor(history):
+  """Residual life from each prompt's own lengths alone (hand-computed below)."""
   table = LengthTable()
   for key, lengths in history.items():
     table.add(key, 0, lengths)
-  return LengthPredictor(table)
+  return LengthPredictor(table, residual_prior=0)
 
 
 def _jobs(groups, prompt_len=0):
