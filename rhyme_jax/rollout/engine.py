@@ -53,7 +53,8 @@ class _Step:
   rows: list
   shape: tuple
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
-  ask_gain: float | None = None  # the gain the asking decision expected ("auto" only)
+  # "auto" only: the gain the asking decision expected of asking (0.0: it did not ask)
+  ask_gain: float | None = None
   timed: bool = False  # its completion-to-completion time is its shape's cost
   ahead: concurrent.futures.Future | None = None
   ahead_rows: list | None = None
@@ -216,9 +217,10 @@ class RolloutEngine:
   # ---- the loop --------------------------------------------------------------------------------
 
   def _plan(self, bucket: int, slots: list, live_idx: list[int]) -> tuple[bool, float | None]:
-    """Whether to draft this step, and the gain expected of asking ("auto" only): "always"
-    does; "auto" asks the cost model whether any speculative shape could beat a plain step with
-    chains at each request's acceptance, scaled by what asking delivered so far."""
+    """Whether to draft this step, and the gain expected of asking (None unless "auto" weighed
+    it; 0.0 when it does not ask): "always" does; "auto" asks the cost model whether any
+    speculative shape could beat a plain step with chains at each request's acceptance, scaled
+    by what asking delivered so far."""
     mode = self.config.speculate if self.drafter is not None else "never"
     shapes = self.config.spec_shapes(bucket)
     if mode == "never" or not shapes:
@@ -233,8 +235,7 @@ class RolloutEngine:
                                        [(bucket, p, t, s) for p, t in shapes], values,
                                        len(live_idx), scale=self.costs.ask_scale)
     if shape[1] == bucket:
-      self.costs.not_asked()
-      return False, None
+      return False, 0.0
     return True, float(sum(v[:n].sum() for v, n in zip(values, take)))
 
   def generate(self, requests: Sequence[Request], admission: AdmissionOrder | None = None
@@ -355,8 +356,11 @@ class RolloutEngine:
                                drafted, emitted - 1)
         if reason:
           finish(slot, lv, reason)
-      if st.ask_gain is not None:
-        self.costs.observe_asked(st.ask_gain, accepted)
+      if st.ask_gain is not None:  # "auto" weighed asking for drafts for this step
+        if st.asked:
+          self.costs.observe_asked(st.ask_gain, accepted)
+        else:
+          self.costs.not_asked()
       for lv in landing:  # parked while this step ran: now it may resume, or it has ended
         if lv.done:
           pool.drop(lv.req.request_id)

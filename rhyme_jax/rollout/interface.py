@@ -41,8 +41,8 @@ class AdmissionOrder(Protocol):
   `EngineConfig.divide_every`): `next_to_admit` gets the queue with that request appended and
   `live` holding its tokens so far; picking it keeps it running, picking another makes it
   yield its slot and rejoin the queue (its KV parked). An online order may instead define
-  `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. with a
-  margin against swapping back and forth). Orders without `online` are static.
+  `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. by
+  expected remaining work, as history_residual does). Orders without `online` are static.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...

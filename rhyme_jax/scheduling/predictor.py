@@ -193,8 +193,8 @@ class LengthPredictor:
     if room <= 0:
       return 0.0
     if self._all_lengths is None:
-      every = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
-      self._all_lengths = np.concatenate(every).astype(np.float64) if every else np.zeros(0)
+      kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
+      self._all_lengths = np.concatenate(kept).astype(np.float64) if kept else np.zeros(0)
     every = self._all_lengths[self._all_lengths > generated]
     own = [l for _, l in self.source.epoch_lengths(key)]
     own = np.concatenate(own).astype(np.float64) if own else np.zeros(0)

@@ -21,7 +21,7 @@ instead, and every resumption that is not immediate pays the re-prefill too.
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
 frees, and every `chunk` tokens of a running request (divided rollout) the policy's own
 `should_yield` where it has one and its shard's queue holds work (as rollout/divided.py asks it;
-history_residual yields only past a chunk of margin), else a yield. The
+history_residual yields to strictly more expected remaining work), else a yield. The
 `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
 queued (what an online policy needs to rank a resumption).
 """
