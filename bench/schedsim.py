@@ -53,6 +53,11 @@ from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
+# Device time of one yield (two KV row copies, each waited for), bench/schedule_engine.py:
+# 0.39 ms per copy on 1 x H200 (2026-11-26; the "h100" step table is an H100's), 1.65 ms on the
+# 2-core CPU (2026-11-25).
+YIELD_MS = {"h100": 2 * 0.39, "cpu": 2 * 1.65}
+
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
             "history_residual", "oracle_group", "oracle")
 
@@ -222,7 +227,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                       shrink=sc.shrink, shards=sc.shards,
                       accepted=((sc.budget, sc.accepted),) if sc.accepted > 1 else (),
                       prefill_ms_per_token=PREFILL_MS_PER_TOKEN[sc.table],
-                      divided=DividedRollout(sc.chunk, sc.keep_kv))
+                      divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table]))
+      yield_cost = args.yield_ms[sc.table] / table.ms(sc.slots, 0)  # in steps of the batch
       per_step = {p: [] for p in POLICIES}
       for case in cases:
         plan = (shard_plan(sc.plan, case.jobs, case.predictor, sc.shards) if sc.shards > 1
@@ -235,7 +241,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
             # history_alt is shown on an odd step: short-to-long, HistoPipe's other half.
             return make_policy(pol, predictor=case.predictor, step=1, seed=args.seed,
                                true_lengths=truth,
-                               kv_budget=int(sc.kv_rows * sc.slots) if sc.kv_rows else None)
+                               kv_budget=int(sc.kv_rows * sc.slots) if sc.kv_rows else None,
+                               yield_cost=yield_cost)
           res = simulate(case.jobs, factory, table, cfg, plan)
           assert abs(res.tokens - case.lengths.sum()) < 1e-6, "simulator lost or invented tokens"
           per_step[pol].append(res)
@@ -254,6 +261,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
       for pol, res in results.items():  # the main and divided scenarios in full
         detail.append([name, label[0], label[1], label[5], pol, f"{res.makespan_ms / 1e3:.2f}",
                        f"{res.tail_ms / 1e3:.2f}", f"{res.utilisation:.3f}", res.peak_started,
+                       res.yields,
                        f"{res.makespan_ms / oracle.makespan_ms:.3f}",
                        (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
                        cut(res)])
@@ -275,6 +283,16 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                      f"{h.makespan_ms / results['oracle_group'].makespan_ms:.3f}), tail cut vs "
                      f"FIFO {cut(h)} (target >= 75%)")
   return detail, summary, overlap, notes
+
+
+def _yield_pair(text: str) -> dict[str, float]:
+  try:
+    h, c = (float(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected H,C, two numbers (ms)") from None
+  if not (h >= 0 and c >= 0):
+    raise argparse.ArgumentTypeError(f"{text!r}: yield times must be >= 0")
+  return {"h100": h, "cpu": c}
 
 
 def _slot_pair(text: str) -> tuple[int, int]:
@@ -304,6 +322,11 @@ def main(argv=None) -> None:
   ap.add_argument("--slots", type=_slot_pair, default=None,
                   help="H,C: rows per shard on the h100 / cpu tables (default: scaled to the "
                        "step, 64 / 32 for 128 requests)")
+  ap.add_argument("--yield_ms", type=_yield_pair,
+                  default=dict(YIELD_MS),
+                  help="H,C: ms one divided-rollout yield stalls a shard on the h100 / cpu "
+                       f"tables (default: measured, {YIELD_MS['h100']:g},{YIELD_MS['cpu']:g}); "
+                       "0,0 = free yields")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
@@ -320,7 +343,8 @@ def main(argv=None) -> None:
   detail, summary, overlap, notes = run(args)
   table = common.markdown_table(
       ["trace", "table", "shards x slots", "chunk", "policy", "makespan s", "tail s", "slot util",
-       "peak started", "makespan / oracle", "tail / oracle", "tail cut vs fifo"], detail)
+       "peak started", "yields", "makespan / oracle", "tail / oracle", "tail cut vs fifo"],
+      detail)
   table += ("\n\nEvery scenario: the history order's makespan (compare plans by it), makespan / "
             "oracle per policy (same trace, plan and step times in a row), tail cut vs FIFO\n\n")
   table += common.markdown_table(
@@ -377,6 +401,10 @@ def main(argv=None) -> None:
         "generated tokens on a displaced resumption at the table's batch-1 prefill rate, "
         "serially (an upper bound on that cost). The oracle is the non-preemptive longest-first "
         "order, which a preemptive policy can beat (ratios < 1)",
+        f"each yield stalls its shard {args.yield_ms['h100']:g} ms (h100 table) / "
+        f"{args.yield_ms['cpu']:g} ms (cpu table): the engine's two KV row copies; "
+        "history_residual yields only to a margin of sqrt(yield cost in steps x requests x mean "
+        "expected length) - chunk more expected remaining tokens (ResidualPolicy.yield_margin)",
     ] + notes + args.note
     common.append_results("Rollout scheduling simulator (bench/schedsim.py)", table, notes)
 

@@ -143,6 +143,7 @@ class Aggregate:
   utilisation: float  # makespan-weighted
   steps: int
   peak_started: int  # the largest step's (requests started and unfinished at once)
+  yields: int = 0  # divided rollout: slots given up, all steps
 
 
 def aggregate(results: Sequence) -> Aggregate:
@@ -150,4 +151,5 @@ def aggregate(results: Sequence) -> Aggregate:
   span = sum(r.makespan_ms for r in results)
   return Aggregate(span, sum(r.tail_ms for r in results),
                    sum(r.utilisation * r.makespan_ms for r in results) / max(span, 1e-12),
-                   sum(r.steps for r in results), max(r.peak_started for r in results))
+                   sum(r.steps for r in results), max(r.peak_started for r in results),
+                   sum(r.yields for r in results))

@@ -11,7 +11,11 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
   probe             Seer: each group's first sample first, then the longest sibling so far
   residual          longest expected remaining work first, E[L - n | L > n] over history
   residual+divided  the same, and every `--divide_every` tokens a running request is offered
-                    to yield its slot (divided rollout; KV parked in `--park_rows` rows)
+                    to yield its slot; it yields to a margin more expected remaining work that
+                    the engine's measured yield cost sets (ResidualPolicy.yield_margin)
+                    (divided rollout; KV parked in `--park_rows` rows)
+  residual+divided+lrpt  the same with no margin: pure LRPT, yields taken as free (the rule
+                    before the yield cost was weighed)
   oracle            epoch 1's true lengths, longest first (known from the fifo run: every
                     order samples the same tokens), without division
 
@@ -52,7 +56,8 @@ from rhyme_jax.scheduling.admission import EngineOrder, make_policy  # noqa: E40
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
 from rhyme_jax.scheduling.simulate import tail_time  # noqa: E402
 
-POLICIES = ("fifo", "history", "probe", "residual", "residual+divided", "oracle")
+POLICIES = ("fifo", "history", "probe", "residual", "residual+divided", "residual+divided+lrpt",
+            "oracle")
 
 
 def parse_args(argv=None):
@@ -150,6 +155,7 @@ def main(argv=None):
         flush=True)
   true_lengths: dict[int, int] = {}
   best: dict[str, dict] = {}
+  margins: dict[str, tuple[float, float]] = {}  # divided policies: (yield cost, margin)
   for rep in range(args.repeats):
     for name in args.policies:
       base = name.split("+")[0]
@@ -158,7 +164,9 @@ def main(argv=None):
       else:
         policy = make_policy({"residual": "history_residual"}.get(base, base),
                              predictor=predictor if base != "fifo" else None)
-      divided = name.endswith("+divided")
+      divided = "+divided" in name
+      if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
+        policy.set_yield_cost = lambda steps: None
       engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
       results = engine.generate(requests(1), admission=EngineOrder(policy))
       st = engine.stats
@@ -173,6 +181,8 @@ def main(argv=None):
       print(f"[schedule_engine] rep {rep} {name:>16}: makespan {row['makespan']:.1f} s, tail "
             f"{row['tail']:.1f} s, util {row['util']:.3f}, yields {row['yields']}, "
             f"crc {row['crc']:08x}", flush=True)
+      if divided:
+        margins[name] = (policy.yield_cost, policy.yield_margin(args.divide_every))
       if name not in best or row["makespan"] < best[name]["makespan"]:
         best[name] = row
   engine.config = cfg
@@ -210,6 +220,9 @@ def main(argv=None):
            f"two KV row copies per yield at {1e3 * copy_s:.2f} ms each (measured); prefill is "
            "the same for every policy (each prompt once: a resumption copies, never prefills)",
            f"sampled tokens identical across policies: {'yes' if same else 'NO'}",
+           *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: two row copies / "
+             f"a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens"
+             for name, (c, m) in margins.items()],
            *args.note]
   if not args.no_append:
     common.append_results("Rollout engine: admission orders and divided rollout "

@@ -70,10 +70,15 @@ def run_variant(name: str, args, run_root: str) -> tuple[list[dict], int]:
            f"--checkpoint_every={args.steps}", f"--seed={args.seed}",
            f"--rollout_slots={args.slots}", *variant_flags(name, args.schedule, args.divide),
            *args.flag]
+  if args.record and name == args.variants.split(",")[0]:
+    flags.append("--record_rollouts")
   trainer = Trainer(parse_flags(flags))
   try:
     before = sum(TRACE_COUNTS.values())
     history = trainer.run()
+    if args.record and name == args.variants.split(",")[0]:
+      # The first variant's sampled rounds, as a length trace for bench/schedsim.py (grpo:DIR).
+      shutil.copytree(os.path.join(run_root, name, "rollouts"), args.record, dirs_exist_ok=True)
     return history, sum(TRACE_COUNTS.values()) - before
   finally:
     del trainer
@@ -105,6 +110,9 @@ def main(argv=None) -> None:
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--flag", action="append", default=[],
                   help="an extra trainer flag for every variant, e.g. --flag=--model=DIR")
+  ap.add_argument("--record", default="",
+                  help="copy the first variant's recorded rollouts (--record_rollouts) here: a "
+                       "GRPO length trace for bench/schedsim.py --trace grpo:DIR")
   ap.add_argument("--note", action="append", default=[])
   ap.add_argument("--no_append", action="store_true")
   args = ap.parse_args(argv)

@@ -11,7 +11,9 @@ copies the row back into whichever slot frees. Nothing is recomputed, and since 
 depend on (seed, request, position) alone, the tokens are those of an undivided rollout. A row
 parks while the step before is still in flight (the device copies after it); the request may
 resume only once the engine has read that step, so the pipeline never stops for a yield. Each
-yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU).
+yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU, 0.4 ms on an H200
+where a decode step takes ~4 ms); the engine times them at warm-up and tells the admission
+order (`set_yield_cost`), which weighs them against what a yield can gain.
 
 The pool's size is a compile-time constant, so the copies compile once per bucket at warm-up.
 Started-and-unfinished requests are at most slots + park_rows: a full pool stops yields until a
@@ -20,8 +22,10 @@ parked request resumes.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 
 from rhyme_jax.models.attention import KVCache
@@ -74,10 +78,18 @@ class ParkPool:
     self._free.append(row)
     return compiled.copy_row_jit(cache, self.cache, jnp.int32(slot), jnp.int32(row))
 
-  def warmup(self, cache: KVCache) -> KVCache:
-    """Compiles both copies for a bucket's cache shape; returns the (donated) cache."""
-    self.cache = compiled.copy_row_jit(self.cache, cache, jnp.int32(0), jnp.int32(0))
-    return compiled.copy_row_jit(cache, self.cache, jnp.int32(0), jnp.int32(0))
+  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float]:
+    """Compiles both copies for a bucket's cache shape: the (donated) cache back, and with
+    `reps` > 0 the fastest of `reps` timed rounds (both copies, waited for) in seconds: what a
+    yield costs the device (else nan)."""
+    seconds = []
+    for _ in range(1 + reps):  # the first call compiles
+      t0 = time.perf_counter()
+      self.cache = compiled.copy_row_jit(self.cache, cache, jnp.int32(0), jnp.int32(0))
+      cache = compiled.copy_row_jit(cache, self.cache, jnp.int32(0), jnp.int32(0))
+      jax.block_until_ready(cache)
+      seconds.append(time.perf_counter() - t0)
+    return cache, min(seconds[1:], default=float("nan"))
 
 
 def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: int,

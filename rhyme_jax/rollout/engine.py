@@ -89,6 +89,7 @@ class RolloutEngine:
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
     self._parked: ParkPool | None = None  # divided rollout's KV rows, made on first use
+    self.yield_steps: float | None = None  # a yield's two row copies / a plain step (warm-up)
 
   def _place(self, tree):
     """`tree` on the params' mesh (replicated) when they have one, so the first step sees the
@@ -145,7 +146,12 @@ class RolloutEngine:
               self.costs.observe_time((bucket, p, t, s), best, warmup=True)
         state = self._admit(state, dummy)
       if self.config.park_rows:
-        state = state.replace(cache=self.park_pool().warmup(state.cache))
+        cache, yield_s = self.park_pool().warmup(state.cache, _TIMING_REPS if bucket ==
+                                                 buckets[0] else 0)
+        state = state.replace(cache=cache)
+        if bucket == buckets[0]:  # a yield against a plain step of the largest bucket
+          plain = self.costs.warm[(bucket, bucket, 1, self.kv_lengths[-1])]
+          self.yield_steps = yield_s / plain
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 
@@ -285,6 +291,8 @@ class RolloutEngine:
     pool = self.park_pool() if dividing else None
     if pool is not None:
       pool.reset()
+      if self.yield_steps is not None and hasattr(admission, "set_yield_cost"):
+        admission.set_yield_cost(self.yield_steps)
     landing: list[LiveRequest] = []  # parked while their last step is unread
     # A step's cost is the time from the previous step's outputs to its own: the device runs
     # steps in order, so this is its device time plus whatever kept the device idle before it

@@ -14,9 +14,8 @@ How an engine uses a policy (the rollout engine through `EngineOrder`):
 Static policies (`online = False`) always return 0 from an ordered queue, so the engine may pop
 from the front; online ones re-rank as siblings finish (probe-first) or as yielded requests
 rejoin the queue in divided rollout (history_residual: longest expected remaining first,
-`ResidualPolicy`; the rollout engine does not divide requests, bench/schedsim.py does). A
-policy assumes the
-request it returns is admitted.
+`ResidualPolicy`; the rollout engine's rollout/divided.py and the simulator ask its
+`should_yield`). A policy assumes the request it returns is admitted.
 
 HistoPipe's cross-step alternation: `predicted_policy(predictor, step=k, alternate=True)` orders
 long->short on even steps and short->long on odd ones, so that when rollout and training
@@ -26,6 +25,7 @@ overlap a worker slowed by long work at the end of one step starts the next with
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -199,6 +199,16 @@ class ResidualPolicy:
   sequences where the engine has `slots` rows. `kv_budget` caps the started-and-unfinished
   requests (the KV pool's sequence capacity): at the cap only started requests resume.
 
+  A yield is not free: two KV row copies and their dispatch, `yield_cost` decode steps of the
+  whole batch (the engine measures it at warm-up: `set_yield_cost`). Pure LRPT keeps requests
+  of near-equal expected remaining work level by swapping them every chunk, which on a GPU,
+  where a 135M model's step is a few ms, cost more than the tail it cut (bench/RESULTS.md,
+  H200). So a running request yields only to a margin more remaining work: with margin m a
+  pair swaps once per m + chunk tokens, so N requests of mean expected length L make about
+  N L / (m + chunk) yields at Y steps each, while the margin lets the makespan slip by at most
+  about m steps; the sum is least at m + chunk = sqrt(Y N L) (`yield_margin`). Where yields
+  are cheap against a step (the CPU) the margin is 0, plain LRPT.
+
   Reads tokens-so-far of queued requests from `live` (the simulator keeps a yielded request's
   count there, so len(live) = requests started and unfinished); ties go to data order,
   identical on every host.
@@ -207,11 +217,26 @@ class ResidualPolicy:
   online = True
   name = "history_residual"
 
-  def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None):
+  def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None,
+               yield_cost: float = 0.0):
     if kv_budget is not None and kv_budget < 1:
       raise ValueError(f"ResidualPolicy: kv_budget={kv_budget}: must be >= 1 or None")
     self.predictor, self.kv_budget = predictor, kv_budget
+    self.set_yield_cost(yield_cost)
     self._cache: dict[tuple[Hashable, int, int], float] = {}
+    self._work = (0, 0.0)  # (requests, mean expected length) of the last `order`
+
+  def set_yield_cost(self, steps: float) -> None:
+    """One yield's cost in decode steps of the batch (its two KV row copies / a step)."""
+    if not steps >= 0 or math.isinf(steps):
+      raise ValueError(f"ResidualPolicy: yield_cost={steps}: must be a finite number >= 0")
+    self.yield_cost = float(steps)
+
+  def yield_margin(self, chunk: int) -> float:
+    """Expected remaining tokens a queued request needs beyond a running one's to take its
+    slot: sqrt(yield_cost x requests x mean expected length) - chunk, at least 0."""
+    n, mean = self._work
+    return max(0.0, math.sqrt(self.yield_cost * n * mean) - chunk)
 
   def remaining(self, meta: RequestMeta, generated: int) -> float:
     cap = meta.max_new_tokens or (1 << 30)
@@ -222,19 +247,19 @@ class ResidualPolicy:
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
     self._cache = {}
-    perm = longest_first([self.remaining(m, 0) for m in queue], [m.index for m in queue])
+    expected = [self.remaining(m, 0) for m in queue]
+    self._work = (len(queue), float(np.mean(expected)) if expected else 0.0)
+    perm = longest_first(expected, [m.index for m in queue])
     return [queue[i] for i in perm]
 
   def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:
     """Whether `running` (tokens so far in `live`) should give its slot to the request
-    `next_to_admit` picks from `queue`: when that one has strictly more expected remaining
-    work (LRPT with a `chunk`-long quantum). No margin: a yield costs two KV row copies and one
-    pipeline read, far less than a token's step (bench/schedule_engine.py), and on the recorded
-    GSM8K traces a margin of one chunk lost tail and makespan (bench/RESULTS.md)."""
-    del chunk
+    `next_to_admit` picks from `queue`: when that one has more expected remaining work by over
+    `yield_margin(chunk)` (LRPT with a `chunk`-long quantum and a margin for the yield's cost;
+    at yield_cost 0, strictly more)."""
     best = queue[self.next_to_admit(queue, finished, live)]
     return (self.remaining(best, live.get(best.request_id, 0)) >
-            self.remaining(running, live.get(running.request_id, 0)))
+            self.remaining(running, live.get(running.request_id, 0)) + self.yield_margin(chunk))
 
   def next_to_admit(self, queue, finished, live) -> int:
     del finished
@@ -267,6 +292,11 @@ class EngineOrder:
     """Whether the engine may ask about running requests (divided rollout)."""
     return self.policy.online
 
+  def set_yield_cost(self, steps: float) -> None:
+    """Hands the engine's measured cost of a yield (decode steps) to a policy that weighs it."""
+    if hasattr(self.policy, "set_yield_cost"):
+      self.policy.set_yield_cost(steps)
+
   def should_yield(self, queue: Sequence, running, finished: Mapping[int, int],
                    live: Mapping[int, int], chunk: int) -> bool:
     """Whether running request `running` should give its slot to a queued one (divided
@@ -295,9 +325,10 @@ class EngineOrder:
 
 def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,
                 seed: int = 0, true_lengths: Mapping[int, int] | None = None,
-                kv_budget: int | None = None) -> AdmissionPolicy:
+                kv_budget: int | None = None, yield_cost: float = 0.0) -> AdmissionPolicy:
   """A policy by name (one of POLICIES); names the missing input when one is needed.
-  `kv_budget`: "history_residual"'s cap on started-and-unfinished requests."""
+  `kv_budget`, `yield_cost`: "history_residual"'s cap on started-and-unfinished requests and
+  the cost of a yield in decode steps (`ResidualPolicy`)."""
   if name == "fifo":
     return fifo_policy()
   if name == "random":
@@ -313,7 +344,7 @@ def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: in
   if name == "history_probe":
     return ContextAwarePolicy(predictor)
   if name == "history_residual":
-    return ResidualPolicy(predictor, kv_budget)
+    return ResidualPolicy(predictor, kv_budget, yield_cost)
   if name == "oracle":
     if true_lengths is None:
       raise ValueError("admission policy 'oracle' needs the true lengths")

@@ -21,7 +21,8 @@ instead, and every resumption that is not immediate pays the re-prefill too.
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
 frees, and every `chunk` tokens of a running request (divided rollout) the policy's own
 `should_yield` where it has one and its shard's queue holds work (as rollout/divided.py asks it;
-history_residual yields to strictly more expected remaining work), else a yield. The
+history_residual yields to a margin more expected remaining work), else a yield; each yield
+stalls its shard for `DividedRollout.yield_ms` (the engine's two KV row copies). The
 `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
 queued (what an online policy needs to rank a resumption).
 """
@@ -45,6 +46,7 @@ class DividedRollout:
 
   chunk: int = 0
   keep_kv: bool = True
+  yield_ms: float = 0.0  # device time a yield stalls its shard (the two KV row copies)
 
   def should_yield(self, generated_since_admission: float) -> bool:
     return self.chunk > 0 and generated_since_admission >= self.chunk
@@ -94,6 +96,7 @@ class SimResult:
   migrations: int  # resumptions on another shard (divided rollout)
   shard_end_ms: np.ndarray
   peak_started: int = 0  # most requests started and unfinished at once (KV held), all shards
+  yields: int = 0  # divided rollout: slots given up
 
 
 def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
@@ -135,7 +138,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   finish_at: dict[int, float] = {}
   t = [0.0] * cfg.shards
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
-  steps = spec_steps = prefill_tokens = migrations = peak_started = 0
+  steps = spec_steps = prefill_tokens = migrations = peak_started = yields = 0
   shard_steps = [0] * cfg.shards
   started = 0
   tokens = busy = now = 0.0
@@ -203,6 +206,9 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
           j.since = j.progress  # offered again after another chunk
       (yielded if give else keep).append(j)
     rows[s] = keep
+    if policies[s].online:  # a static order's yield resumes at once in place: no copies
+      t[s] += len(yielded) * cfg.divided.yield_ms
+      yields += len(yielded)
     for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
       j.yielded_at = shard_steps[s]
       d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
@@ -214,4 +220,4 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   makespan = float(finish.max()) if len(finish) else 0.0
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
-                   tokens, prefill_tokens, migrations, np.array(t), peak_started)
+                   tokens, prefill_tokens, migrations, np.array(t), peak_started, yields)

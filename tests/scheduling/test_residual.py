@@ -98,3 +98,45 @@ def test_a_running_request_yields_to_more_expected_remaining_work():
   order.order(reqs)
   assert order.online and order.should_yield([reqs[0]], reqs[1], {}, {1: 20}, 8)
   assert not order.should_yield([reqs[0]], reqs[1], {}, {1: 5}, 8)
+
+
+def test_a_costly_yield_needs_a_margin_of_more_remaining_work():
+  """With yield_cost Y (steps of the batch) a queued request must be expected to need more
+  than sqrt(Y x requests x mean expected length) - chunk tokens beyond the running one's."""
+  pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
+  fresh, running = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
+  pol = ResidualPolicy(pred, yield_cost=2.0)
+  pol.order([fresh, running])  # 2 requests, mean expected length (32.5 + 40) / 2
+  margin = np.sqrt(2.0 * 2 * 36.25) - 8
+  assert pol.yield_margin(8) == pytest.approx(margin)  # ~4.04 tokens
+  assert pol.yield_margin(16) == 0.0  # never below 0
+  assert not pol.should_yield([fresh], running, {}, {1: 10}, chunk=8)  # 32.5 vs 30 + 4.04
+  assert pol.should_yield([fresh], running, {}, {1: 12}, chunk=8)  # 32.5 vs 28 + 4.04
+  assert pol.should_yield([fresh], running, {}, {1: 10}, chunk=16)  # a longer chunk: no margin
+  pol.set_yield_cost(0.0)
+  assert pol.should_yield([fresh], running, {}, {1: 10}, chunk=8)
+  for bad in (-1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="yield_cost"):
+      ResidualPolicy(pred, yield_cost=bad)
+  # The engine hands its measured cost through the adapter; a static policy ignores it.
+  from rhyme_jax.scheduling.admission import EngineOrder
+  EngineOrder(pol).set_yield_cost(3.0)
+  assert pol.yield_cost == 3.0
+  EngineOrder(make_policy("fifo")).set_yield_cost(3.0)
+
+
+def test_yields_stall_the_shard_in_the_simulator():
+  """Each yield of an online order costs `yield_ms` on its shard; the decisions do not
+  depend on time, so the makespan grows by exactly yields x yield_ms. Static orders never
+  pay (their yield resumes in place)."""
+  pred = _predictor({"a": [4, 40], "b": [30, 30]})
+  jobs = _jobs({"a": [4, 40], "b": [30, 30]})
+  runs = {}
+  for cost in (0.0, 2.5):
+    cfg = SimConfig(slots=1, buckets=(64, 1), divided=DividedRollout(8, yield_ms=cost))
+    runs[cost] = simulate(jobs, lambda: make_policy("history_residual", predictor=pred), FLAT,
+                          cfg)
+    static = simulate(jobs, lambda: make_policy("fifo"), FLAT, cfg)
+    assert static.yields == 0 and static.makespan_ms == 104
+  assert runs[0.0].yields == runs[2.5].yields > 0
+  assert runs[2.5].makespan_ms == pytest.approx(runs[0.0].makespan_ms + 2.5 * runs[0.0].yields)

@@ -56,13 +56,17 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
                  "--blind_draws", "3", "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 20)}
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 13, 20)}
   scenarios = schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, plans="data_order,lpt_history,lpt_oracle"), 32, 16)
   full = [sc for sc in scenarios if sc.shards == 1 and sc.shrink and sc.accepted == 1]
-  # Widths: cross-step 6; detail 12, and the per-prompt bound (one row per table) 12 too;
-  # summary 20.
-  assert by_width == {6: 8, 12: len(full) * len(schedsim.POLICIES) + 2, 20: len(scenarios)}
+  # Widths: cross-step 6; detail 13; the per-prompt bound (one row per table) 12; summary 20.
+  assert by_width == {6: 8, 12: 2, 13: len(full) * len(schedsim.POLICIES), 20: len(scenarios)}
+  # Divided rollout: only the online orders yield (a static order's "yield" resumes in place).
+  yields = {(r[3], r[4]): int(r[9]) for r in lines if len(r) == 13}
+  online = {"probe", "history_probe", "history_residual"}
+  assert all(n == 0 for (chunk, pol), n in yields.items() if chunk == "-" or pol not in online)
+  assert any(n > 0 for (chunk, pol), n in yields.items() if chunk != "-")
   assert len(lines) == sum(by_width.values())
   # 32 requests: slots scale to 16 (h100) / 8 (cpu), chunk min(64, 64 / 4) = 16.
   assert {(r[1], r[2]) for r in lines if len(r) == 20} >= {("h100", "1x16"), ("cpu", "1x8")}
