@@ -20,9 +20,12 @@ instead, and every resumption that is not immediate pays the re-prefill too.
 
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
 frees, and every `chunk` tokens of a running request (divided rollout) the policy's own
-`should_yield` where it has one and its shard's queue holds work (as rollout/divided.py asks it;
-history_residual yields to a margin more expected remaining work), else a yield; each yield
-stalls its shard for `DividedRollout.yield_ms` (the engine's two KV row copies). The
+`should_yield` where it has one, else whether `next_to_admit` offered the queue plus the running
+request picks another, while its shard's queue holds work (as rollout/divided.py asks;
+history_residual yields to a margin more expected remaining work); each such yield stalls its
+shard for `DividedRollout.yield_ms` (the engine's two KV row copies). A static order's yield
+(or one with an empty queue) requeues the request where it balances shards, resuming in place
+for free on its own. The
 `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
 queued (what an online policy needs to rank a resumption).
 """
@@ -199,16 +202,19 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         continue
       live_len[rid] = int(j.progress)
       give = cfg.divided.should_yield(j.progress - j.since)
-      if give and queues[s] and hasattr(policies[s], "should_yield"):  # the policy's rule
-        give = policies[s].should_yield([x.meta for x in queues[s]], j.meta, finished,
-                                        live_len, cfg.divided.chunk)
-        if not give:
+      if give and queues[s] and policies[s].online:  # asked as rollout/divided.py asks
+        queued = [x.meta for x in queues[s]]
+        if hasattr(policies[s], "should_yield"):  # the policy's rule
+          give = policies[s].should_yield(queued, j.meta, finished, live_len, cfg.divided.chunk)
+        else:  # whether it would admit another, offered this one too
+          give = policies[s].next_to_admit(queued + [j.meta], finished, live_len) != len(queued)
+        if give:  # a real preemption: the slot goes to another, the KV row is parked
+          t[s] += cfg.divided.yield_ms
+          yields += 1
+        else:
           j.since = j.progress  # offered again after another chunk
       (yielded if give else keep).append(j)
     rows[s] = keep
-    if policies[s].online:  # a static order's yield resumes at once in place: no copies
-      t[s] += len(yielded) * cfg.divided.yield_ms
-      yields += len(yielded)
     for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
       j.yielded_at = shard_steps[s]
       d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
