@@ -3,11 +3,14 @@ appending a result section (table + device + date + exact command) to bench/RESU
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Sequence
@@ -74,3 +77,25 @@ def append_results(title: str, table: str, notes: Sequence[str] = (), command: s
   with open(path, "a") as f:
     f.write(text)
   return text
+
+
+def add_checkout_args(parser) -> None:
+  """--old (another checkout to compare with this tree) and the internal --worker."""
+  parser.add_argument("--old", default="", help="another checkout to compare (a git worktree)")
+  parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+
+
+def per_checkout(script: str, args, measure: Callable[[str], object],
+                 here: str) -> list | None:
+  """With --worker CODE: prints measure(CODE) as JSON and returns None (the caller stops).
+  Else runs `script --worker CODE` for --old (if given) and `here`, each in its own process so
+  each imports its own rhyme_jax, and returns what each printed."""
+  if args.worker:
+    print(json.dumps(measure(args.worker)))
+    return None
+  out = []
+  for code in ([args.old] if args.old else []) + [here]:
+    res = subprocess.run([sys.executable, script, "--worker", code], capture_output=True,
+                         text=True, check=True)
+    out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+  return out

@@ -8,12 +8,12 @@ decoding with an oracle drafter (acceptance 0.8), 16 requests x 48 tokens over 8
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
 
 
 def count(code: str) -> list[dict]:
@@ -54,20 +54,13 @@ def count(code: str) -> list[dict]:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--old", default="")
-  p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+  common.add_checkout_args(p)
   p.add_argument("--no_append", action="store_true")
   args = p.parse_args(argv)
-  if args.worker:
-    print(json.dumps(count(args.worker)))
+  outs = common.per_checkout(__file__, args, count, HERE)
+  if outs is None:
     return
-  rows = []
-  for code in ([args.old] if args.old else []) + [HERE]:
-    res = subprocess.run([sys.executable, __file__, "--worker", code], capture_output=True,
-                         text=True, check=True)
-    rows += json.loads(res.stdout.strip().splitlines()[-1])
-  sys.path.insert(0, HERE)
-  from bench import common
+  rows = [row for out in outs for row in out]
   table = common.markdown_table(
       ["code", "run", "steps", "tokens", "blocking host waits", "waits / token"],
       [[r["code"], r["run"], r["steps"], r["tokens"], r["waits"],

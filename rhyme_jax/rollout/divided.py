@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from rhyme_jax.models.attention import KVCache
 from rhyme_jax.rollout import compiled
@@ -64,7 +64,7 @@ class ParkPool:
     if not self._free:
       raise RuntimeError("ParkPool.park: no free row (the engine checks free_rows first)")
     row = self._free.pop()
-    self.cache = compiled.copy_row_jit(self.cache, cache, jnp.int32(row), jnp.int32(slot))
+    self.cache = compiled.copy_row_jit(self.cache, cache, np.int32(row), np.int32(slot))
     self._held[record.req.request_id] = (row, record)
     self.peak = max(self.peak, len(self._held))
 
@@ -76,7 +76,7 @@ class ParkPool:
     """`cache` (donated) with the parked request's KV row written into `slot`; frees its row."""
     row, _ = self._held.pop(request_id)
     self._free.append(row)
-    return compiled.copy_row_jit(cache, self.cache, jnp.int32(slot), jnp.int32(row))
+    return compiled.copy_row_jit(cache, self.cache, np.int32(slot), np.int32(row))
 
   def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float]:
     """Compiles both copies for a bucket's cache shape: the (donated) cache back, and with
@@ -85,8 +85,8 @@ class ParkPool:
     seconds = []
     for _ in range(1 + reps):  # the first call compiles
       t0 = time.perf_counter()
-      self.cache = compiled.copy_row_jit(self.cache, cache, jnp.int32(0), jnp.int32(0))
-      cache = compiled.copy_row_jit(cache, self.cache, jnp.int32(0), jnp.int32(0))
+      self.cache = compiled.copy_row_jit(self.cache, cache, np.int32(0), np.int32(0))
+      cache = compiled.copy_row_jit(cache, self.cache, np.int32(0), np.int32(0))
       jax.block_until_ready(cache)
       seconds.append(time.perf_counter() - t0)
     return cache, min(seconds[1:], default=float("nan"))

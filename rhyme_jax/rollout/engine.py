@@ -208,8 +208,8 @@ class RolloutEngine:
           chunk = np.zeros(c, np.int32)
           piece = prompt[start:min(start + c, cached)]
           chunk[:len(piece)] = piece
-          cache = self._prefill_fn(self._leaves, cache, jnp.int32(slot), jnp.asarray(chunk),
-                                   jnp.int32(start))
+          # numpy arguments: jit moves them with the call (a jnp scalar is a transfer each)
+          cache = self._prefill_fn(self._leaves, cache, np.int32(slot), chunk, np.int32(start))
           self.stats.prefill_chunks += 1
       p = req.params
       new[slot] = True

@@ -1,0 +1,93 @@
+"""Host time per divided-rollout yield and per admitted request, a checkout (`--old`) vs this tree.
+
+On a GPU a 135M model's decode step is launch-bound (~4 ms for 32 rows on an H200), so the host
+work around a yield (parking a request's KV row, bringing it back) and around an admission (the
+prefill dispatches) is on the critical path: bench/schedule_engine.py measured ~1.5 ms of wall
+clock per yield there. This bench times that host work alone with a tiny random model, whose
+device work is negligible, so the figure does not depend on the model: 64 yields (park +
+resume, no waits) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
+loading), the fastest of 5 rounds, each tree in its own process.
+
+  python bench/yield_cost.py --old /tmp/old_checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
+YIELDS, ADMITS, ROUNDS = 64, 16, 5
+
+
+def measure(code: str) -> dict:
+  sys.path.insert(0, code)
+  import jax
+  import numpy as np
+  from rhyme_jax.models.config import ModelConfig
+  from rhyme_jax.models.transformer import init_model
+  from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+  from rhyme_jax.rollout.live import LiveRequest
+  model = init_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8), seed=1)
+  cfg = EngineConfig(max_len=96, buckets=(ADMITS,), max_draft=0, speculate="never",
+                     kv_buckets=1, eos_ids=(3,), divide_every=4, park_rows=YIELDS,
+                     prefill_chunk=16)
+  eng = RolloutEngine(model, cfg)
+  eng.warmup()
+  pool = eng.park_pool()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(4, 64, 40).tolist() for _ in range(ADMITS)]
+  per_yield = per_admit = float("inf")
+  for _ in range(ROUNDS):
+    state = eng._new_state(ADMITS)  # pylint: disable=protected-access
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = eng._admit(state, [(i, Request(100 + i, p)) for i, p in enumerate(prompts)])  # pylint: disable=protected-access
+    per_admit = min(per_admit, (time.perf_counter() - t0) / ADMITS)
+    jax.block_until_ready(state)
+    cache = state.cache
+    pool.reset()
+    t0 = time.perf_counter()
+    for i in range(YIELDS):
+      pool.park(cache, i % ADMITS, LiveRequest(Request(i, [0])))
+    for i in range(YIELDS):
+      cache = pool.resume(cache, i % ADMITS, i)
+    per_yield = min(per_yield, (time.perf_counter() - t0) / YIELDS)
+    jax.block_until_ready(cache)
+  return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield,
+              per_admit_us=1e6 * per_admit)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  common.add_checkout_args(p)
+  p.add_argument("--note", action="append", default=[])
+  p.add_argument("--no_append", action="store_true")
+  args = p.parse_args(argv)
+  rows = common.per_checkout(__file__, args, measure, HERE)
+  if rows is None:
+    return
+  base = rows[0]
+  table = common.markdown_table(
+      ["code", "host us per yield (park + resume)", "ratio", "host us per admitted request",
+       "ratio"],
+      [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
+        f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}"]
+       for r in rows])
+  print(table)
+  if not args.no_append:
+    common.append_results("Host time per yield and per admission (bench/yield_cost.py)", table,
+                          notes=[f"tiny random model (host work only): {YIELDS} yields (park + "
+                                 f"resume dispatch, no waits) and {ADMITS} admissions of "
+                                 "40-token prompts (prefill chunks of 16 and slot loading), "
+                                 f"fastest of {ROUNDS} rounds, each tree in its own process",
+                                 *args.note])
+
+
+if __name__ == "__main__":
+  main()
