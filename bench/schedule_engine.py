@@ -37,10 +37,8 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 import zlib
 
-import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,7 +48,6 @@ from rhyme_jax.history.store import prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
-from rhyme_jax.rollout.live import LiveRequest  # noqa: E402
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
 from rhyme_jax.scheduling.admission import EngineOrder, make_policy  # noqa: E402
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
@@ -99,20 +96,6 @@ def buckets_for(slots: int) -> tuple[int, ...]:
                       reverse=True))
 
 
-def park_copy_seconds(engine, reps: int = 20) -> float:
-  """Seconds per KV row copy between a slot and the park pool (the fastest of `reps`)."""
-  pool = engine.park_pool()
-  state = engine._new_state(max(engine.config.buckets))  # pylint: disable=protected-access
-  best = float("inf")
-  for i in range(min(reps, pool.rows)):
-    t0 = time.perf_counter()
-    pool.park(state.cache, 0, LiveRequest(Request(i, [0])))
-    jax.block_until_ready(pool.cache)
-    best = min(best, time.perf_counter() - t0)
-  pool.reset()
-  return best
-
-
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -136,7 +119,7 @@ def main(argv=None):
   engine = RolloutEngine(model, cfg)
   engine.warmup()
   warm = dict(engine.costs.warm)  # warm-up time of every step shape: one cost set for all
-  copy_s = park_copy_seconds(engine)
+  copy_s = engine.yield_seconds / 2  # one KV row copy, timed at warm-up
   params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
 
   def requests(epoch):

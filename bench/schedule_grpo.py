@@ -70,14 +70,14 @@ def run_variant(name: str, args, run_root: str) -> tuple[list[dict], int]:
            f"--checkpoint_every={args.steps}", f"--seed={args.seed}",
            f"--rollout_slots={args.slots}", *variant_flags(name, args.schedule, args.divide),
            *args.flag]
-  if args.record and name == args.variants.split(",")[0]:
+  recording = bool(args.record) and name == args.variants.split(",")[0]
+  if recording:
     flags.append("--record_rollouts")
   trainer = Trainer(parse_flags(flags))
   try:
     before = sum(TRACE_COUNTS.values())
     history = trainer.run()
-    if args.record and name == args.variants.split(",")[0]:
-      # The first variant's sampled rounds, as a length trace for bench/schedsim.py (grpo:DIR).
+    if recording:  # the first variant's sampled rounds: a length trace for schedsim.py grpo:DIR
       shutil.copytree(os.path.join(run_root, name, "rollouts"), args.record, dirs_exist_ok=True)
     return history, sum(TRACE_COUNTS.values()) - before
   finally:

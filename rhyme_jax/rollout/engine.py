@@ -89,7 +89,16 @@ class RolloutEngine:
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
     self._parked: ParkPool | None = None  # divided rollout's KV rows, made on first use
-    self.yield_steps: float | None = None  # a yield's two row copies / a plain step (warm-up)
+    self.yield_seconds: float | None = None  # a yield's two row copies, waited for (warm-up)
+
+  @property
+  def yield_steps(self) -> float | None:
+    """A yield's cost in decode steps: its two row copies over a plain step of the largest
+    bucket at the longest cache length (warm-up times); None before a warm-up with park rows."""
+    if self.yield_seconds is None:
+      return None
+    b = max(self.config.buckets)
+    return self.yield_seconds / self.costs.warm[(b, b, 1, self.kv_lengths[-1])]
 
   def _place(self, tree):
     """`tree` on the params' mesh (replicated) when they have one, so the first step sees the
@@ -146,12 +155,11 @@ class RolloutEngine:
               self.costs.observe_time((bucket, p, t, s), best, warmup=True)
         state = self._admit(state, dummy)
       if self.config.park_rows:
-        cache, yield_s = self.park_pool().warmup(state.cache, _TIMING_REPS if bucket ==
-                                                 buckets[0] else 0)
+        timed = bucket == buckets[0]  # a yield's two row copies, at the largest bucket
+        cache, seconds = self.park_pool().warmup(state.cache, _TIMING_REPS if timed else 0)
         state = state.replace(cache=cache)
-        if bucket == buckets[0]:  # a yield against a plain step of the largest bucket
-          plain = self.costs.warm[(bucket, bucket, 1, self.kv_lengths[-1])]
-          self.yield_steps = yield_s / plain
+        if timed:
+          self.yield_seconds = seconds
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 

@@ -228,7 +228,7 @@ class ResidualPolicy:
 
   def set_yield_cost(self, steps: float) -> None:
     """One yield's cost in decode steps of the batch (its two KV row copies / a step)."""
-    if not steps >= 0 or math.isinf(steps):
+    if not math.isfinite(steps) or steps < 0:
       raise ValueError(f"ResidualPolicy: yield_cost={steps}: must be a finite number >= 0")
     self.yield_cost = float(steps)
 
@@ -272,6 +272,17 @@ class ResidualPolicy:
                                     queue[i].index))
 
 
+def wants_yield(policy: AdmissionPolicy, queue: Sequence[RequestMeta], running: RequestMeta,
+                finished: Mapping[int, int], live: Mapping[int, int], chunk: int) -> bool:
+  """Whether an online `policy` gives `running`'s slot to a request of `queue` (divided
+  rollout): its own `should_yield` where it has one, else whether `next_to_admit`, offered the
+  queue plus `running`, picks another. The engine (through `EngineOrder`) and the simulator
+  both ask this."""
+  if hasattr(policy, "should_yield"):
+    return policy.should_yield(queue, running, finished, live, chunk)
+  return policy.next_to_admit(list(queue) + [running], finished, live) != len(queue)
+
+
 class EngineOrder:
   """An `AdmissionPolicy` as the rollout engine's `AdmissionOrder` (which speaks `Request`s):
 
@@ -302,11 +313,8 @@ class EngineOrder:
     """Whether running request `running` should give its slot to a queued one (divided
     rollout): the policy's own rule where it has one, else whether `next_to_admit`, offered
     the queue plus `running`, picks another."""
-    metas = [self._current[r.request_id] for r in queue]
-    mine = self._current[running.request_id]
-    if hasattr(self.policy, "should_yield"):
-      return self.policy.should_yield(metas, mine, finished, live, chunk)
-    return self.policy.next_to_admit(metas + [mine], finished, live) != len(metas)
+    return wants_yield(self.policy, [self._current[r.request_id] for r in queue],
+                       self._current[running.request_id], finished, live, chunk)
 
   def order(self, requests: Sequence) -> list:
     metas = [self._metas[r.request_id] if self._metas is not None

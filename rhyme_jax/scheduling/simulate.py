@@ -38,7 +38,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from rhyme_jax.scheduling.admission import AdmissionPolicy, RequestMeta
+from rhyme_jax.scheduling.admission import AdmissionPolicy, RequestMeta, wants_yield
 from rhyme_jax.scheduling.step_time import StepTimeTable, bucket_for
 
 
@@ -203,11 +203,8 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       live_len[rid] = int(j.progress)
       give = cfg.divided.should_yield(j.progress - j.since)
       if give and queues[s] and policies[s].online:  # asked as rollout/divided.py asks
-        queued = [x.meta for x in queues[s]]
-        if hasattr(policies[s], "should_yield"):  # the policy's rule
-          give = policies[s].should_yield(queued, j.meta, finished, live_len, cfg.divided.chunk)
-        else:  # whether it would admit another, offered this one too
-          give = policies[s].next_to_admit(queued + [j.meta], finished, live_len) != len(queued)
+        give = wants_yield(policies[s], [x.meta for x in queues[s]], j.meta, finished, live_len,
+                           cfg.divided.chunk)
         if give:  # a real preemption: the slot goes to another, the KV row is parked
           t[s] += cfg.divided.yield_ms
           yields += 1
