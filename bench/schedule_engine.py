@@ -16,6 +16,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
                     (divided rollout; KV parked in `--park_rows` rows)
   residual+divided+lrpt  the same with no margin: pure LRPT, yields taken as free (the rule
                     before the yield cost was weighed)
+  residual+divided+waited  the same with the yield cost timed as each yield waited for (the
+                    measure before the engine timed copies queued as a rollout makes them)
   oracle            epoch 1's true lengths, longest first (known from the fifo run: every
                     order samples the same tokens), without division
 
@@ -54,7 +56,7 @@ from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa:
 from rhyme_jax.scheduling.simulate import tail_time  # noqa: E402
 
 POLICIES = ("fifo", "history", "probe", "residual", "residual+divided", "residual+divided+lrpt",
-            "oracle")
+            "residual+divided+waited", "oracle")
 
 
 def parse_args(argv=None):
@@ -119,7 +121,8 @@ def main(argv=None):
   engine = RolloutEngine(model, cfg)
   engine.warmup()
   warm = dict(engine.costs.warm)  # warm-up time of every step shape: one cost set for all
-  copy_s = engine.yield_seconds / 2  # one KV row copy, timed at warm-up
+  copy_s = engine.yield_seconds / 2  # one KV row copy, timed at warm-up (queued)
+  long_kv = max(cfg.kv_lengths())
   params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
 
   def requests(epoch):
@@ -150,6 +153,10 @@ def main(argv=None):
       divided = "+divided" in name
       if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
         policy.set_yield_cost = lambda steps: None
+      if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units
+        scale = engine.yield_seconds_waited / engine.yield_seconds
+        policy.set_yield_cost = (lambda steps, set_cost=policy.set_yield_cost:
+                                 set_cost(steps * scale))
       engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
       results = engine.generate(requests(1), admission=EngineOrder(policy))
       st = engine.stats
@@ -160,7 +167,9 @@ def main(argv=None):
                   2 * st.yields * copy_s)
       row = dict(makespan=float(finish.max()), tail=tail_time(finish), modelled=modelled,
                  util=st.slot_utilisation, yields=st.yields, parked=st.parked_peak,
-                 steps=st.steps, crc=tokens_crc(results))
+                 steps=st.steps, crc=tokens_crc(results),
+                 long_kv=sum(n for shape, n in st.steps_by_shape.items()
+                             if shape[-1] == long_kv) / max(st.steps, 1))
       print(f"[schedule_engine] rep {rep} {name:>16}: makespan {row['makespan']:.1f} s, tail "
             f"{row['tail']:.1f} s, util {row['util']:.3f}, yields {row['yields']}, "
             f"crc {row['crc']:08x}", flush=True)
@@ -175,7 +184,7 @@ def main(argv=None):
   for name in args.policies:
     r = best[name]
     rows.append([name, f"{r['makespan']:.1f}", f"{r['tail']:.1f}", f"{r['util']:.3f}", r["steps"],
-                 f"{r['modelled']:.1f}",
+                 f"{100 * r['long_kv']:.0f}%", f"{r['modelled']:.1f}",
                  f"{r['modelled'] / ref['modelled']:.3f}" if ref else "-",
                  f"{r['makespan'] / ref['makespan']:.3f}" if ref else "-",
                  f"{r['tail'] / max(ref['tail'], 1e-9):.2f}" if ref else "-",
@@ -184,7 +193,8 @@ def main(argv=None):
                  r["yields"], r["parked"], f"{r['crc']:08x}"])
   same = len({best[x]["crc"] for x in args.policies}) == 1
   table_md = common.markdown_table(
-      ["policy", "makespan s", "tail s", "slot util", "decode steps", "modelled decode s",
+      ["policy", "makespan s", "tail s", "slot util", "decode steps", "long-kv steps",
+       "modelled decode s",
        "modelled / oracle", "makespan / oracle",
        "tail / oracle", "tail cut vs fifo", "yields", "parked peak", "tokens CRC32"], rows)
   print(table_md)
@@ -200,8 +210,13 @@ def main(argv=None):
            "slot util = live rows / rows over decode steps",
            "modelled decode s = the policy's decode steps, each at its shape's warm-up time "
            f"(one set of times for every policy, so machine noise between runs drops out), plus "
-           f"two KV row copies per yield at {1e3 * copy_s:.2f} ms each (measured); prefill is "
-           "the same for every policy (each prompt once: a resumption copies, never prefills)",
+           f"two KV row copies per yield at {1e3 * copy_s:.3f} ms each (measured queued, as a "
+           f"rollout dispatches them; {1e3 * engine.yield_seconds_waited / 2:.3f} ms each when "
+           "each yield is waited for); prefill is the same for every policy (each prompt once: "
+           "a resumption copies, never prefills)",
+           f"long-kv steps = decode steps whose attention read the full cache ({long_kv} "
+           f"positions; the XLA path's other bucket is {min(cfg.kv_lengths())}): one row past the "
+           "shorter bucket puts the whole step there",
            f"sampled tokens identical across policies: {'yes' if same else 'NO'}",
            *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: two row copies / "
              f"a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens"

@@ -78,18 +78,31 @@ class ParkPool:
     self._free.append(row)
     return compiled.copy_row_jit(cache, self.cache, np.int32(slot), np.int32(row))
 
-  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float]:
-    """Compiles both copies for a bucket's cache shape: the (donated) cache back, and with
-    `reps` > 0 the fastest of `reps` timed rounds (both copies, waited for) in seconds: what a
-    yield costs the device (else nan)."""
-    seconds = []
-    for _ in range(1 + reps):  # the first call compiles
-      t0 = time.perf_counter()
+  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float, float]:
+    """Compiles both copies for a bucket's cache shape. Returns the (donated) cache back and,
+    with `reps` > 0, a yield's cost in seconds two ways (else nan, nan):
+      - queued: `reps` rounds (both copies) dispatched back to back, waited for once, per
+        round: what a yield adds to the device's queue in a rollout, where copies follow
+        steps without a wait (the engine's measure of a yield);
+      - waited: the fastest single round waited for (adds a round trip to the host per yield,
+        which a rollout never waits for)."""
+    def round_trip(cache):
       self.cache = compiled.copy_row_jit(self.cache, cache, np.int32(0), np.int32(0))
-      cache = compiled.copy_row_jit(cache, self.cache, np.int32(0), np.int32(0))
-      jax.block_until_ready(cache)
-      seconds.append(time.perf_counter() - t0)
-    return cache, min(seconds[1:], default=float("nan"))
+      return compiled.copy_row_jit(cache, self.cache, np.int32(0), np.int32(0))
+
+    cache = jax.block_until_ready(round_trip(cache))  # compiles
+    waited = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      cache = jax.block_until_ready(round_trip(cache))
+      waited.append(time.perf_counter() - t0)
+    if not reps:
+      return cache, float("nan"), float("nan")
+    t0 = time.perf_counter()
+    for _ in range(4 * reps):
+      cache = round_trip(cache)
+    jax.block_until_ready(cache)
+    return cache, (time.perf_counter() - t0) / (4 * reps), min(waited)
 
 
 def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: int,

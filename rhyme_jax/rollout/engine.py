@@ -89,7 +89,11 @@ class RolloutEngine:
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
     self._parked: ParkPool | None = None  # divided rollout's KV rows, made on first use
-    self.yield_seconds: float | None = None  # a yield's two row copies, waited for (warm-up)
+    # A yield's two row copies in seconds (warm-up, ParkPool.warmup): queued behind one another
+    # as a rollout dispatches them (the cost handed to the admission order), and each waited
+    # for (for comparison; includes a round trip to the host no rollout makes).
+    self.yield_seconds: float | None = None
+    self.yield_seconds_waited: float | None = None
 
   @property
   def yield_steps(self) -> float | None:
@@ -156,10 +160,11 @@ class RolloutEngine:
         state = self._admit(state, dummy)
       if self.config.park_rows:
         timed = bucket == buckets[0]  # a yield's two row copies, at the largest bucket
-        cache, seconds = self.park_pool().warmup(state.cache, _TIMING_REPS if timed else 0)
+        cache, queued, waited = self.park_pool().warmup(state.cache,
+                                                        _TIMING_REPS if timed else 0)
         state = state.replace(cache=cache)
         if timed:
-          self.yield_seconds = seconds
+          self.yield_seconds, self.yield_seconds_waited = queued, waited
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 

@@ -103,8 +103,10 @@ def test_history_residual_divides_with_a_real_predictor(tiny_model):
   divided = eng.generate(reqs, admission=EngineOrder(policy))
   _same(base, divided)
   assert eng.stats.yields > 0 and eng.stats.parked_peak == 1
-  # Warm-up timed a yield's two row copies against a plain step; the order was told.
+  # Warm-up timed a yield's two row copies (queued, and each waited for) against a plain
+  # step; the order was told the queued cost.
   assert 0 < eng.yield_steps < float("inf") and policy.yield_cost == eng.yield_steps
+  assert 0 < eng.yield_seconds_waited < float("inf")
 
 
 def test_divide_every_needs_park_rows():
