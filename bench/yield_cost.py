@@ -6,7 +6,8 @@ prefill dispatches) is on the critical path: bench/schedule_engine.py measured ~
 clock per yield there. This bench times that host work alone with a tiny random model, whose
 device work is negligible, so the figure does not depend on the model: 64 yields (park +
 resume, no waits) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
-loading), the fastest of 5 rounds, each tree in its own process.
+loading), the fastest of 5 rounds, each tree in its own process; and one pass of yield checks
+(32 running requests asked with 96 waiting, history_residual).
 
   python bench/yield_cost.py --old /tmp/old_checkout
 """
@@ -22,6 +23,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
 YIELDS, ADMITS, ROUNDS = 64, 16, 5
+CHECKS, QUEUED = 32, 96  # a yield-check pass: running requests asked, requests waiting
 
 
 def measure(code: str) -> dict:
@@ -60,7 +62,40 @@ def measure(code: str) -> dict:
     per_yield = min(per_yield, (time.perf_counter() - t0) / YIELDS)
     jax.block_until_ready(cache)
   return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield,
-              per_admit_us=1e6 * per_admit)
+              per_admit_us=1e6 * per_admit, per_check_us=1e6 * check_pass())
+
+
+def check_pass() -> float:
+  """Host seconds per running request asked whether to yield, in one pass of
+  `slots_to_yield` over CHECKS running requests (all due) with QUEUED requests waiting, under
+  history_residual (16 prompts of history); the fastest of ROUNDS passes."""
+  import numpy as np
+  from rhyme_jax.rollout.divided import slots_to_yield
+  from rhyme_jax.rollout.engine import Request
+  from rhyme_jax.rollout.live import LiveRequest
+  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  rng = np.random.default_rng(0)
+  table = LengthTable()
+  for k in range(16):
+    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  reqs = [Request(1000 + i, [1], prompt_key=i % 16, group_id=i % 16)
+          for i in range(CHECKS + QUEUED)]
+  order = EngineOrder(make_policy("history_residual", predictor=LengthPredictor(table)))
+  order.order(reqs)
+  running, queue = reqs[:CHECKS], reqs[CHECKS:]
+  live = {r.request_id: 16 * (1 + i % 8) for i, r in enumerate(running)}
+  slots = [LiveRequest(r) for r in running]
+  for lv in slots:
+    lv.tokens = [0] * live[lv.req.request_id]
+  best = float("inf")
+  for _ in range(ROUNDS):
+    for lv in slots:
+      lv.since = 0
+    t0 = time.perf_counter()
+    slots_to_yield(slots, queue, order, {}, live, 16, CHECKS + QUEUED)
+    best = min(best, time.perf_counter() - t0)
+  return best / CHECKS
 
 
 def main(argv=None):
@@ -75,9 +110,10 @@ def main(argv=None):
   base = rows[0]
   table = common.markdown_table(
       ["code", "host us per yield (park + resume)", "ratio", "host us per admitted request",
-       "ratio"],
+       "ratio", "host us per yield check", "ratio"],
       [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
-        f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}"]
+        f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}",
+        f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}"]
        for r in rows])
   print(table)
   if not args.no_append:
@@ -86,6 +122,9 @@ def main(argv=None):
                                  f"resume dispatch, no waits) and {ADMITS} admissions of "
                                  "40-token prompts (prefill chunks of 16 and slot loading), "
                                  f"fastest of {ROUNDS} rounds, each tree in its own process",
+                                 f"yield check: one slots_to_yield pass asking {CHECKS} running "
+                                 f"requests (all due) with {QUEUED} waiting, history_residual "
+                                 "over 16 prompts' history; per request asked",
                                  *args.note])
 
 

@@ -110,26 +110,36 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
   """Slots whose request should give way to a queued one, at most `room` (free pool rows).
 
   A request is asked once per `every` tokens it generates in a slot (`LiveRequest.since` marks
-  the last time): it yields when `admission.should_yield(queue, request, finished, live,
-  every)` says so, or for an order without that method, when `next_to_admit`, offered the
-  queue plus this request, picks another. Only while more requests wait than slots free up,
-  so a yield never leaves a slot empty for lack of work.
+  the last time). The order decides for all requests asked in one pass (the queue stays as it
+  is during it): `admission.yield_rule(queue, finished, live, every)` where it has one (it
+  finds its queued pick once, not once per running request), else `should_yield` per
+  request, else whether `next_to_admit`, offered the queue plus the request, picks another.
+  Only while more requests wait than slots free up, so a yield never leaves a slot empty for
+  lack of work.
   """
   out: list[int] = []
   free = sum(lv is None for lv in slots)
+  rule = None
   for i, lv in enumerate(slots):
     if len(out) >= room or len(queue) <= free + len(out):
       break
     if lv is None or lv.done or len(lv.tokens) - lv.since < every:
       continue
     lv.since = len(lv.tokens)
-    if hasattr(admission, "should_yield"):
-      give = admission.should_yield(queue, lv.req, finished, live, every)
-    else:
-      give = admission.next_to_admit(list(queue) + [lv.req], finished, live) != len(queue)
-    if give:
+    if rule is None:
+      rule = _rule(admission, queue, finished, live, every)
+    if rule(lv.req):
       out.append(i)
   return out
+
+
+def _rule(admission, queue, finished, live, every):
+  """The order's yield decision for one pass (see `slots_to_yield`)."""
+  if hasattr(admission, "yield_rule"):
+    return admission.yield_rule(queue, finished, live, every)
+  if hasattr(admission, "should_yield"):
+    return lambda req: admission.should_yield(queue, req, finished, live, every)
+  return lambda req: admission.next_to_admit(list(queue) + [req], finished, live) != len(queue)
 
 
 def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], queue: list,

@@ -42,7 +42,9 @@ class AdmissionOrder(Protocol):
   `live` holding its tokens so far; picking it keeps it running, picking another makes it
   yield its slot and rejoin the queue (its KV parked). An online order may instead define
   `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. by
-  expected remaining work, as history_residual does). Orders without `online` are static.
+  expected remaining work, as history_residual does), and `yield_rule(queue, finished, live,
+  chunk)` returning that decision for every running request of one pass (the queue unchanged),
+  so its work over the queue is done once per pass. Orders without `online` are static.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...

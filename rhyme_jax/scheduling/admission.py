@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Hashable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -252,14 +252,21 @@ class ResidualPolicy:
     perm = longest_first(expected, [m.index for m in queue])
     return [queue[i] for i in perm]
 
-  def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:
-    """Whether `running` (tokens so far in `live`) should give its slot to the request
-    `next_to_admit` picks from `queue`: when that one has more expected remaining work by over
-    `yield_margin(chunk)` (LRPT with a `chunk`-long quantum and a margin for the yield's cost;
-    at yield_cost 0, strictly more)."""
+  def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
+    """Whether a running request (tokens so far in `live`) should give its slot to the
+    request `next_to_admit` picks from `queue`: when that one has more expected remaining work
+    by over `yield_margin(chunk)` (LRPT with a `chunk`-long quantum and a margin for the
+    yield's cost; at yield_cost 0, strictly more). The pick and its work are found once, for
+    all the running requests asked while `queue` and `live` stay as they are."""
     best = queue[self.next_to_admit(queue, finished, live)]
-    return (self.remaining(best, live.get(best.request_id, 0)) >
-            self.remaining(running, live.get(running.request_id, 0)) + self.yield_margin(chunk))
+    best_left = self.remaining(best, live.get(best.request_id, 0))
+    margin = self.yield_margin(chunk)
+    return lambda running: (best_left > self.remaining(running, live.get(running.request_id, 0))
+                            + margin)
+
+  def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:
+    """`yield_rule` for one running request."""
+    return self.yield_rule(queue, finished, live, chunk)(running)
 
   def next_to_admit(self, queue, finished, live) -> int:
     del finished
@@ -272,15 +279,26 @@ class ResidualPolicy:
                                     queue[i].index))
 
 
+def yield_rule(policy: AdmissionPolicy, queue: Sequence[RequestMeta],
+               finished: Mapping[int, int], live: Mapping[int, int],
+               chunk: int) -> Callable[[RequestMeta], bool]:
+  """Whether an online `policy` gives a running request's slot to a request of `queue`
+  (divided rollout), for every running request asked while `queue`, `finished` and `live` stay
+  as they are: the policy's own `yield_rule` or `should_yield` where it has one, else whether
+  `next_to_admit`, offered the queue plus the running request, picks another. The engine
+  (through `EngineOrder`) and the simulator both ask this."""
+  if hasattr(policy, "yield_rule"):
+    return policy.yield_rule(queue, finished, live, chunk)
+  if hasattr(policy, "should_yield"):
+    return lambda running: policy.should_yield(queue, running, finished, live, chunk)
+  return lambda running: policy.next_to_admit(list(queue) + [running], finished,
+                                              live) != len(queue)
+
+
 def wants_yield(policy: AdmissionPolicy, queue: Sequence[RequestMeta], running: RequestMeta,
                 finished: Mapping[int, int], live: Mapping[int, int], chunk: int) -> bool:
-  """Whether an online `policy` gives `running`'s slot to a request of `queue` (divided
-  rollout): its own `should_yield` where it has one, else whether `next_to_admit`, offered the
-  queue plus `running`, picks another. The engine (through `EngineOrder`) and the simulator
-  both ask this."""
-  if hasattr(policy, "should_yield"):
-    return policy.should_yield(queue, running, finished, live, chunk)
-  return policy.next_to_admit(list(queue) + [running], finished, live) != len(queue)
+  """`yield_rule` for one running request."""
+  return yield_rule(policy, queue, finished, live, chunk)(running)
 
 
 class EngineOrder:
@@ -308,13 +326,19 @@ class EngineOrder:
     if hasattr(self.policy, "set_yield_cost"):
       self.policy.set_yield_cost(steps)
 
+  def yield_rule(self, queue: Sequence, finished: Mapping[int, int], live: Mapping[int, int],
+                 chunk: int) -> Callable[[Any], bool]:
+    """Whether a running request should give its slot to a queued one (divided rollout), for
+    every running request of one pass (`queue` unchanged): the policy's rule (`yield_rule`
+    above) over the requests' metadata, the queue's looked up once."""
+    rule = yield_rule(self.policy, [self._current[r.request_id] for r in queue], finished, live,
+                      chunk)
+    return lambda running: rule(self._current[running.request_id])
+
   def should_yield(self, queue: Sequence, running, finished: Mapping[int, int],
                    live: Mapping[int, int], chunk: int) -> bool:
-    """Whether running request `running` should give its slot to a queued one (divided
-    rollout): the policy's own rule where it has one, else whether `next_to_admit`, offered
-    the queue plus `running`, picks another."""
-    return wants_yield(self.policy, [self._current[r.request_id] for r in queue],
-                       self._current[running.request_id], finished, live, chunk)
+    """`yield_rule` for one running request."""
+    return self.yield_rule(queue, finished, live, chunk)(running)
 
   def order(self, requests: Sequence) -> list:
     metas = [self._metas[r.request_id] if self._metas is not None

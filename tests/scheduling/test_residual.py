@@ -140,3 +140,34 @@ def test_yields_stall_the_shard_in_the_simulator():
     assert static.yields == 0 and static.makespan_ms == 104
   assert runs[0.0].yields == runs[2.5].yields > 0
   assert runs[2.5].makespan_ms == pytest.approx(runs[0.0].makespan_ms + 2.5 * runs[0.0].yields)
+
+
+def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
+  """rollout/divided.slots_to_yield asks the order once per pass (`yield_rule`): the same
+  decisions as asking `should_yield` per running request, with one scan of the queue."""
+  from rhyme_jax.rollout.divided import slots_to_yield
+  from rhyme_jax.rollout.interface import Request
+  from rhyme_jax.rollout.live import LiveRequest
+  from rhyme_jax.scheduling.admission import EngineOrder
+  rng = np.random.default_rng(0)
+  keys = [f"p{k}" for k in range(6)]
+  pred = _predictor({k: rng.integers(5, 120, 4).tolist() for k in keys})
+  reqs = [Request(i, [1], prompt_key=keys[i % 6], group_id=i % 6) for i in range(40)]
+  pol = ResidualPolicy(pred, yield_cost=0.3)
+  order = EngineOrder(pol)
+  order.order(reqs)
+  running, queue = reqs[:16], reqs[16:]
+  live = {r.request_id: int(rng.integers(0, 100)) for r in running}
+  slots = []
+  for r in running:
+    lv = LiveRequest(r)
+    lv.tokens = [0] * live[r.request_id]
+    slots.append(lv)
+  want = [i for i, r in enumerate(running)
+          if len(slots[i].tokens) >= 8 and order.should_yield(queue, r, {}, live, 8)]
+  scans = []
+  pol.next_to_admit = (lambda q, f, lv, _scan=pol.next_to_admit:
+                       scans.append(len(q)) or _scan(q, f, lv))
+  got = slots_to_yield(slots, queue, order, {}, live, every=8, room=len(queue))
+  assert got == want and 0 < len(got) < len(running)  # some yield, not all
+  assert scans == [len(queue)]  # one scan of the queue for the whole pass
