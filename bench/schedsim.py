@@ -53,10 +53,12 @@ from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
-# Device time of one yield (two KV row copies, each waited for), bench/schedule_engine.py:
-# 0.39 ms per copy on 1 x H200 (2026-11-26; the "h100" step table is an H100's), 1.65 ms on the
-# 2-core CPU (2026-11-25).
-YIELD_MS = {"h100": 2 * 0.39, "cpu": 2 * 1.65}
+# Device time of one yield (two KV row copies), the engine's warm-up in
+# bench/schedule_engine.py: 0.175 ms per copy on 1 x H200 queued as a rollout dispatches them
+# (2026-11-26 at 864108f, after the copies stopped making jnp scalar transfers; the "h100"
+# step table is an H100's), 1.65 ms on the 2-core CPU (2026-11-25, waited for: a CPU runs each
+# copy as it is dispatched).
+YIELD_MS = {"h100": 2 * 0.175, "cpu": 2 * 1.65}
 
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
             "history_residual", "oracle_group", "oracle")
