@@ -11,7 +11,7 @@ copies the row back into whichever slot frees. Nothing is recomputed, and since 
 depend on (seed, request, position) alone, the tokens are those of an undivided rollout. A row
 parks while the step before is still in flight (the device copies after it); the request may
 resume only once the engine has read that step, so the pipeline never stops for a yield. Each
-yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU, 0.4 ms on an H200
+yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU, 0.18 ms on an H200
 where a decode step takes ~4 ms); the engine times them at warm-up and tells the admission
 order (`set_yield_cost`), which weighs them against what a yield can gain.
 
