@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +74,11 @@ def run_variant(name: str, args, run_root: str) -> tuple[list[dict], int]:
   recording = bool(args.record) and name == args.variants.split(",")[0]
   if recording:
     flags.append("--record_rollouts")
-  trainer = Trainer(parse_flags(flags))
+  t0 = time.perf_counter()
+  trainer = Trainer(parse_flags(flags))  # compiles every rollout shape (engine warm-up)
+  # Printed at once, so a run cut off by a time limit still shows where its time went.
+  print(f"[schedule_grpo] {name}: trainer built, rollout shapes compiled, in "
+        f"{time.perf_counter() - t0:.1f} s", flush=True)
   try:
     before = sum(TRACE_COUNTS.values())
     history = trainer.run()
