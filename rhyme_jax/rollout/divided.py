@@ -81,7 +81,7 @@ class ParkPool:
   def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float, float]:
     """Compiles both copies for a bucket's cache shape. Returns the (donated) cache back and,
     with `reps` > 0, a yield's cost in seconds two ways (else nan, nan):
-      - queued: `reps` rounds (both copies) dispatched back to back, waited for once, per
+      - queued: 4 x `reps` rounds (both copies) dispatched back to back, waited for once, per
         round: what a yield adds to the device's queue in a rollout, where copies follow
         steps without a wait (the engine's measure of a yield);
       - waited: the fastest single round waited for (adds a round trip to the host per yield,
