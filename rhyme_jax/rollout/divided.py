@@ -30,6 +30,7 @@ import numpy as np
 
 from rhyme_jax.models.attention import KVCache
 from rhyme_jax.rollout import compiled
+from rhyme_jax.rollout.interface import yield_rule
 
 
 class ParkPool:
@@ -110,12 +111,10 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
   """Slots whose request should give way to a queued one, at most `room` (free pool rows).
 
   A request is asked once per `every` tokens it generates in a slot (`LiveRequest.since` marks
-  the last time). The order decides for all requests asked in one pass (the queue stays as it
-  is during it): `admission.yield_rule(queue, finished, live, every)` where it has one (it
-  finds its queued pick once, not once per running request), else `should_yield` per
-  request, else whether `next_to_admit`, offered the queue plus the request, picks another.
-  Only while more requests wait than slots free up, so a yield never leaves a slot empty for
-  lack of work.
+  the last time). The order decides for all requests asked in one pass, the queue standing
+  (`interface.yield_rule`: an order with its own `yield_rule` finds its queued pick once, not
+  once per running request). Only while more requests wait than slots free up, so a yield
+  never leaves a slot empty for lack of work.
   """
   out: list[int] = []
   free = sum(lv is None for lv in slots)
@@ -127,19 +126,10 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
       continue
     lv.since = len(lv.tokens)
     if rule is None:
-      rule = _rule(admission, queue, finished, live, every)
+      rule = yield_rule(admission, queue, finished, live, every)
     if rule(lv.req):
       out.append(i)
   return out
-
-
-def _rule(admission, queue, finished, live, every):
-  """The order's yield decision for one pass (see `slots_to_yield`)."""
-  if hasattr(admission, "yield_rule"):
-    return admission.yield_rule(queue, finished, live, every)
-  if hasattr(admission, "should_yield"):
-    return lambda req: admission.should_yield(queue, req, finished, live, every)
-  return lambda req: admission.next_to_admit(list(queue) + [req], finished, live) != len(queue)
 
 
 def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], queue: list,

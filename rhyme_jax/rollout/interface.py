@@ -53,6 +53,22 @@ class AdmissionOrder(Protocol):
                     live: Mapping[int, int]) -> int: ...
 
 
+def yield_rule(order, queue: Sequence, finished: Mapping[int, int], live: Mapping[int, int],
+               chunk: int):
+  """Whether an online `order` (an `AdmissionOrder`, or scheduling's `AdmissionPolicy`, which
+  speaks the same methods) gives a running request's slot to one of `queue` (divided rollout),
+  as a function of the running request, for every one asked while `queue`, `finished` and
+  `live` stay as they are: the order's own `yield_rule` or `should_yield` where it has one,
+  else whether `next_to_admit`, offered the queue plus the running request, picks another.
+  The engine (rollout/divided.py) and the simulator both decide through this."""
+  if hasattr(order, "yield_rule"):
+    return order.yield_rule(queue, finished, live, chunk)
+  if hasattr(order, "should_yield"):
+    return lambda running: order.should_yield(queue, running, finished, live, chunk)
+  return lambda running: order.next_to_admit(list(queue) + [running], finished,
+                                             live) != len(queue)
+
+
 @dataclasses.dataclass
 class RequestResult:
   request_id: int

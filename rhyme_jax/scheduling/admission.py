@@ -30,6 +30,7 @@ from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from rhyme_jax.rollout.interface import yield_rule
 from rhyme_jax.scheduling.predictor import LengthPredictor
 
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
@@ -279,25 +280,9 @@ class ResidualPolicy:
                                     queue[i].index))
 
 
-def yield_rule(policy: AdmissionPolicy, queue: Sequence[RequestMeta],
-               finished: Mapping[int, int], live: Mapping[int, int],
-               chunk: int) -> Callable[[RequestMeta], bool]:
-  """Whether an online `policy` gives a running request's slot to a request of `queue`
-  (divided rollout), for every running request asked while `queue`, `finished` and `live` stay
-  as they are: the policy's own `yield_rule` or `should_yield` where it has one, else whether
-  `next_to_admit`, offered the queue plus the running request, picks another. The engine
-  (through `EngineOrder`) and the simulator both ask this."""
-  if hasattr(policy, "yield_rule"):
-    return policy.yield_rule(queue, finished, live, chunk)
-  if hasattr(policy, "should_yield"):
-    return lambda running: policy.should_yield(queue, running, finished, live, chunk)
-  return lambda running: policy.next_to_admit(list(queue) + [running], finished,
-                                              live) != len(queue)
-
-
 def wants_yield(policy: AdmissionPolicy, queue: Sequence[RequestMeta], running: RequestMeta,
                 finished: Mapping[int, int], live: Mapping[int, int], chunk: int) -> bool:
-  """`yield_rule` for one running request."""
+  """`rollout.interface.yield_rule` for one running request (the simulator asks this)."""
   return yield_rule(policy, queue, finished, live, chunk)(running)
 
 
@@ -329,8 +314,8 @@ class EngineOrder:
   def yield_rule(self, queue: Sequence, finished: Mapping[int, int], live: Mapping[int, int],
                  chunk: int) -> Callable[[Any], bool]:
     """Whether a running request should give its slot to a queued one (divided rollout), for
-    every running request of one pass (`queue` unchanged): the policy's rule (`yield_rule`
-    above) over the requests' metadata, the queue's looked up once."""
+    every running request of one pass (`queue` unchanged): the policy's rule
+    (`rollout.interface.yield_rule`) over the requests' metadata, the queue's looked up once."""
     rule = yield_rule(self.policy, [self._current[r.request_id] for r in queue], finished, live,
                       chunk)
     return lambda running: rule(self._current[running.request_id])
