@@ -2,11 +2,13 @@
 
 A yield copies a request's KV row from the batch cache into a park row and, when it resumes,
 back (`rollout.divided.ParkPool`). For each park pool size this times one yield's two copies
-the two ways `ParkPool.warmup` does:
-  - queued: rounds dispatched back to back and waited for once, per round (what a rollout
-    pays: its copies follow steps without a wait; the engine hands this to the admission
-    order);
-  - waited: the fastest single round waited for (adds the host round trip).
+the ways `ParkPool.warmup` does:
+  - queued: passes of one yield dispatched back to back and waited for once, per pass (what a
+    rollout pays: its copies follow steps without a wait; the engine hands this to the
+    admission order);
+  - waited: the fastest single pass waited for (adds the host round trip);
+  - a pass of 4 yields, queued (the engine parks a pass's yields in one call and resumes them
+    in one more, `kv_cache.copy_rows`), per yield: what batching the copies saves.
 The copies update the pool and the batch in place (both donated); the time should not grow
 with the pool's rows (it would if XLA copied a whole cache). Needs no weights: caches of
 zeros with SmolLM2-135M's KV shape (30 layers x 3 KV heads x 64), float32.
@@ -58,19 +60,25 @@ def main(argv=None):
   for n in pools:
     pool = ParkPool(cfg, n, args.cache_len, lambda t: t)
     cache = KVCache.zeros(cfg, args.batch, args.cache_len)
-    cache, queued, waited = pool.warmup(cache, args.reps)
+    cache, cost = pool.warmup(cache, args.reps)
     # Each copy reads and writes one row (K and V): 2 x row_bytes per copy, two copies.
-    rows.append([n, args.batch, f"{row_bytes / 2**20:.1f}", f"{1e3 * queued:.3f}",
-                 f"{1e3 * waited:.3f}", f"{4 * row_bytes / queued / 1e9:.0f}"])
-    print(f"[park_copy] pool {n}: queued {1e3 * queued:.3f} ms, waited {1e3 * waited:.3f} ms "
-          "per yield", flush=True)
+    per = cost.many / cost.rows
+    rows.append([n, args.batch, f"{row_bytes / 2**20:.1f}", f"{1e3 * cost.one:.3f}",
+                 f"{1e3 * cost.one_waited:.3f}", f"{4 * row_bytes / cost.one / 1e9:.0f}",
+                 cost.rows, f"{1e3 * per:.3f}", f"{cost.one / per:.2f}"])
+    print(f"[park_copy] pool {n}: queued {1e3 * cost.one:.3f} ms, waited "
+          f"{1e3 * cost.one_waited:.3f} ms per yield; {1e3 * per:.3f} ms per yield in a pass "
+          f"of {cost.rows}", flush=True)
     del pool, cache
   table = common.markdown_table(["pool rows", "batch rows", "KV row MiB", "queued ms / yield",
-                                 "waited ms / yield", "queued GB/s moved"], rows)
+                                 "waited ms / yield", "queued GB/s moved", "pass of",
+                                 "queued ms / yield in the pass", "saving"], rows)
   print(table)
   notes = [f"SmolLM2-135M KV shape, float32, cache_len {args.cache_len}; one yield = two row "
-           f"copies (park, resume); queued = {4 * args.reps} yields back to back, waited for "
-           f"once; waited = fastest of {args.reps} yields each waited for", *args.note]
+           f"copies (park, resume); queued = {4 * args.reps} passes back to back, waited for "
+           f"once; waited = fastest of {args.reps} passes of one yield each waited for; pass of "
+           "n = n yields parked in one copy call and resumed in one more (the engine's pass); "
+           "saving = one-yield pass / per-yield time in the larger pass", *args.note]
   if not args.no_append:
     common.append_results("Yield copies on the device (bench/park_copy.py)", table, notes)
   return 0

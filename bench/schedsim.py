@@ -229,8 +229,11 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                       shrink=sc.shrink, shards=sc.shards,
                       accepted=((sc.budget, sc.accepted),) if sc.accepted > 1 else (),
                       prefill_ms_per_token=PREFILL_MS_PER_TOKEN[sc.table],
-                      divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table]))
-      yield_cost = args.yield_ms[sc.table] / table.ms(sc.slots, 0)  # in steps of the batch
+                      divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table],
+                                             args.yield_pass_ms[sc.table]))
+      # The order is told a pass of one yield, in steps of the batch (as the engine tells it).
+      yield_cost = ((args.yield_ms[sc.table] + args.yield_pass_ms[sc.table])
+                    / table.ms(sc.slots, 0))
       per_step = {p: [] for p in POLICIES}
       for case in cases:
         plan = (shard_plan(sc.plan, case.jobs, case.predictor, sc.shards) if sc.shards > 1
@@ -263,7 +266,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
       for pol, res in results.items():  # the main and divided scenarios in full
         detail.append([name, label[0], label[1], label[5], pol, f"{res.makespan_ms / 1e3:.2f}",
                        f"{res.tail_ms / 1e3:.2f}", f"{res.utilisation:.3f}", res.peak_started,
-                       res.yields,
+                       res.yields, res.yield_passes,
                        f"{res.makespan_ms / oracle.makespan_ms:.3f}",
                        (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
                        cut(res)])
@@ -329,6 +332,10 @@ def main(argv=None) -> None:
                   help="H,C: ms one divided-rollout yield stalls a shard on the h100 / cpu "
                        f"tables (default: measured, {YIELD_MS['h100']:g},{YIELD_MS['cpu']:g}); "
                        "0,0 = free yields")
+  ap.add_argument("--yield_pass_ms", type=_yield_pair, default={"h100": 0.0, "cpu": 0.0},
+                  help="H,C: ms more per step that yields at all (the engine copies a pass's "
+                       "rows in one call each way; default 0,0: every yield costs --yield_ms, "
+                       "as measured one yield per call)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
@@ -345,7 +352,7 @@ def main(argv=None) -> None:
   detail, summary, overlap, notes = run(args)
   table = common.markdown_table(
       ["trace", "table", "shards x slots", "chunk", "policy", "makespan s", "tail s", "slot util",
-       "peak started", "yields", "makespan / oracle", "tail / oracle", "tail cut vs fifo"],
+       "peak started", "yields", "yield passes", "makespan / oracle", "tail / oracle", "tail cut vs fifo"],
       detail)
   table += ("\n\nEvery scenario: the history order's makespan (compare plans by it), makespan / "
             "oracle per policy (same trace, plan and step times in a row), tail cut vs FIFO\n\n")
@@ -404,7 +411,11 @@ def main(argv=None) -> None:
         "serially (an upper bound on that cost). The oracle is the non-preemptive longest-first "
         "order, which a preemptive policy can beat (ratios < 1)",
         f"each yield stalls its shard {args.yield_ms['h100']:g} ms (h100 table) / "
-        f"{args.yield_ms['cpu']:g} ms (cpu table): the engine's two KV row copies; "
+        f"{args.yield_ms['cpu']:g} ms (cpu table): the engine's two KV row copies"
+        + (f", and a step that yields at all {args.yield_pass_ms['h100']:g} / "
+           f"{args.yield_pass_ms['cpu']:g} ms more (a pass's copies share one call each way)"
+           if any(args.yield_pass_ms.values()) else "") + "; the order is told a pass of one "
+        "yield; "
         "history_residual yields only to a margin of sqrt(yield cost in steps x requests x mean "
         "expected length) - chunk more expected remaining tokens (ResidualPolicy.yield_margin)",
     ] + notes + args.note

@@ -144,6 +144,7 @@ class Aggregate:
   steps: int
   peak_started: int  # the largest step's (requests started and unfinished at once)
   yields: int = 0  # divided rollout: slots given up, all steps
+  yield_passes: int = 0  # steps that gave up at least one slot (one copy call each way)
 
 
 def aggregate(results: Sequence) -> Aggregate:
@@ -152,4 +153,5 @@ def aggregate(results: Sequence) -> Aggregate:
   return Aggregate(span, sum(r.tail_ms for r in results),
                    sum(r.utilisation * r.makespan_ms for r in results) / max(span, 1e-12),
                    sum(r.steps for r in results), max(r.peak_started for r in results),
-                   sum(r.yields for r in results))
+                   sum(r.yields for r in results),
+                   sum(r.yield_passes for r in results))

@@ -23,7 +23,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
 
 Reports per policy: makespan (rollout start to its last response), tail (the time to finish
 the last 10% of responses), slot utilisation (live rows / rows over decode steps), makespan and
-tail against the oracle's, tail cut vs FIFO, yields, most requests parked at once, and the
+tail against the oracle's, tail cut vs FIFO, yields and the passes that made them (one copy call
+each way per pass), most requests parked at once, and the
 CRC32 of all sampled tokens, equal across policies (the order never changes what is sampled).
 Policies run in the order given, one after another on an idle machine; `--repeats` runs the
 whole list again and keeps each policy's fastest run.
@@ -121,7 +122,7 @@ def main(argv=None):
   engine = RolloutEngine(model, cfg)
   engine.warmup()
   warm = dict(engine.costs.warm)  # warm-up time of every step shape: one cost set for all
-  copy_s = engine.yield_seconds / 2  # one KV row copy, timed at warm-up (queued)
+  cost = engine.yield_cost  # passes of copies timed at warm-up (queued): fixed + per row
   long_kv = max(cfg.kv_lengths())
   params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
 
@@ -164,9 +165,10 @@ def main(argv=None):
       if name == "fifo":
         true_lengths.update({r.request_id: len(r.tokens) for r in results})
       modelled = (sum(n * warm[shape] for shape, n in st.steps_by_shape.items()) +
-                  2 * st.yields * copy_s)
+                  st.yield_passes * cost.fixed + st.yields * cost.per_row)
       row = dict(makespan=float(finish.max()), tail=tail_time(finish), modelled=modelled,
-                 util=st.slot_utilisation, yields=st.yields, parked=st.parked_peak,
+                 util=st.slot_utilisation, yields=st.yields, passes=st.yield_passes,
+                 parked=st.parked_peak,
                  steps=st.steps, crc=tokens_crc(results),
                  long_kv=sum(n for shape, n in st.steps_by_shape.items()
                              if shape[-1] == long_kv) / max(st.steps, 1))
@@ -190,13 +192,14 @@ def main(argv=None):
                  f"{r['tail'] / max(ref['tail'], 1e-9):.2f}" if ref else "-",
                  f"{100 * (1 - r['tail'] / fifo['tail']):.0f}%" if fifo and fifo["tail"] > 0
                  else "-",
-                 r["yields"], r["parked"], f"{r['crc']:08x}"])
+                 r["yields"], r["passes"], r["parked"], f"{r['crc']:08x}"])
   same = len({best[x]["crc"] for x in args.policies}) == 1
   table_md = common.markdown_table(
       ["policy", "makespan s", "tail s", "slot util", "decode steps", "long-kv steps",
        "modelled decode s",
        "modelled / oracle", "makespan / oracle",
-       "tail / oracle", "tail cut vs fifo", "yields", "parked peak", "tokens CRC32"], rows)
+       "tail / oracle", "tail cut vs fifo", "yields", "yield passes", "parked peak",
+       "tokens CRC32"], rows)
   print(table_md)
   print(f"sampled tokens identical across policies: {'yes' if same else 'NO'}")
   notes = [f"{args.num_prompts} GSM8K train prompts (from {args.prompt_offset}) x G="
@@ -210,15 +213,18 @@ def main(argv=None):
            "slot util = live rows / rows over decode steps",
            "modelled decode s = the policy's decode steps, each at its shape's warm-up time "
            f"(one set of times for every policy, so machine noise between runs drops out), plus "
-           f"two KV row copies per yield at {1e3 * copy_s:.3f} ms each (measured queued, as a "
-           f"rollout dispatches them; {1e3 * engine.yield_seconds_waited / 2:.3f} ms each when "
-           "each yield is waited for); prefill is the same for every policy (each prompt once: "
-           "a resumption copies, never prefills)",
+           f"the yields' KV row copies: {1e3 * cost.fixed:.3f} ms per pass that yields and "
+           f"{1e3 * cost.per_row:.3f} ms per yield (the engine parks a pass's yields in one copy "
+           "call and resumes them in one more; fitted from warm-up passes of 1 and "
+           f"{cost.rows} yields, queued as a rollout dispatches them: {1e3 * cost.one:.3f} and "
+           f"{1e3 * cost.many:.3f} ms; a pass of one waited for: "
+           f"{1e3 * cost.one_waited:.3f} ms); prefill is the same for every policy (each prompt "
+           "once: a resumption copies, never prefills)",
            f"long-kv steps = decode steps whose attention read the full cache ({long_kv} "
            f"positions; the XLA path's other bucket is {min(cfg.kv_lengths())}): one row past the "
            "shorter bucket puts the whole step there",
            f"sampled tokens identical across policies: {'yes' if same else 'NO'}",
-           *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: two row copies / "
+           *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: a pass of one yield / "
              f"a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens"
              for name, (c, m) in margins.items()],
            *args.note]

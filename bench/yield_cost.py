@@ -5,7 +5,8 @@ work around a yield (parking a request's KV row, bringing it back) and around an
 prefill dispatches) is on the critical path: bench/schedule_engine.py measured ~1.5 ms of wall
 clock per yield there. This bench times that host work alone with a tiny random model, whose
 device work is negligible, so the figure does not depend on the model: 64 yields (park +
-resume, no waits) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
+resume, no waits; one per copy call, and in passes of 4 as the engine now copies a pass's
+yields together) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
 loading), the fastest of 5 rounds, each tree in its own process; and one pass of yield checks
 (32 running requests asked with 96 waiting, history_residual).
 
@@ -15,6 +16,7 @@ loading), the fastest of 5 rounds, each tree in its own process; and one pass of
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -23,6 +25,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
 YIELDS, ADMITS, ROUNDS = 64, 16, 5
+PASS = 4  # yields per engine pass (bench/schedsim.py's traces: 3 to 5 where a pass yields)
 CHECKS, QUEUED = 32, 96  # a yield-check pass: running requests asked, requests waiting
 
 
@@ -44,7 +47,7 @@ def measure(code: str) -> dict:
   pool = eng.park_pool()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 64, 40).tolist() for _ in range(ADMITS)]
-  per_yield = per_admit = float("inf")
+  per_yield, per_admit = {}, float("inf")
   for _ in range(ROUNDS):
     state = eng._new_state(ADMITS)  # pylint: disable=protected-access
     jax.block_until_ready(state)
@@ -53,16 +56,36 @@ def measure(code: str) -> dict:
     per_admit = min(per_admit, (time.perf_counter() - t0) / ADMITS)
     jax.block_until_ready(state)
     cache = state.cache
-    pool.reset()
-    t0 = time.perf_counter()
+    for n in (1, PASS):
+      pool.reset()
+      t0 = time.perf_counter()
+      cache = yields(pool, cache, n)
+      per_yield[n] = min(per_yield.get(n, float("inf")), (time.perf_counter() - t0) / YIELDS)
+      jax.block_until_ready(cache)
+  return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield[1],
+              per_yield_pass_us=1e6 * per_yield[PASS], per_admit_us=1e6 * per_admit,
+              per_check_us=1e6 * check_pass())
+
+
+def yields(pool, cache, per_pass: int):
+  """YIELDS parks then YIELDS resumes, `per_pass` of each per call where the pool takes a
+  pass's rows at once (`ParkPool.park(cache, [(slot, record), ...])`); one at a time in a
+  checkout from before that (`park(cache, slot, record)`)."""
+  from rhyme_jax.rollout.engine import Request
+  from rhyme_jax.rollout.live import LiveRequest
+  batched = len(inspect.signature(pool.park).parameters) == 2
+  if not batched:
     for i in range(YIELDS):
       pool.park(cache, i % ADMITS, LiveRequest(Request(i, [0])))
     for i in range(YIELDS):
       cache = pool.resume(cache, i % ADMITS, i)
-    per_yield = min(per_yield, (time.perf_counter() - t0) / YIELDS)
-    jax.block_until_ready(cache)
-  return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield,
-              per_admit_us=1e6 * per_admit, per_check_us=1e6 * check_pass())
+    return cache
+  for i in range(0, YIELDS, per_pass):
+    pool.park(cache, [((i + j) % ADMITS, LiveRequest(Request(i + j, [0])))
+                      for j in range(per_pass)])
+  for i in range(0, YIELDS, per_pass):
+    cache = pool.resume(cache, [((i + j) % ADMITS, i + j) for j in range(per_pass)])
+  return cache
 
 
 def check_pass() -> float:
@@ -109,9 +132,12 @@ def main(argv=None):
     return
   base = rows[0]
   table = common.markdown_table(
-      ["code", "host us per yield (park + resume)", "ratio", "host us per admitted request",
+      ["code", "host us per yield (park + resume)", "ratio",
+       f"host us per yield, passes of {PASS}", "ratio", "host us per admitted request",
        "ratio", "host us per yield check", "ratio"],
       [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
+        f"{r.get('per_yield_pass_us', r['per_yield_us']):.0f}",
+        f"{r.get('per_yield_pass_us', r['per_yield_us']) / base.get('per_yield_pass_us', base['per_yield_us']):.2f}",
         f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}",
         f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}"]
        for r in rows])
@@ -119,7 +145,10 @@ def main(argv=None):
   if not args.no_append:
     common.append_results("Host time per yield and per admission (bench/yield_cost.py)", table,
                           notes=[f"tiny random model (host work only): {YIELDS} yields (park + "
-                                 f"resume dispatch, no waits) and {ADMITS} admissions of "
+                                 f"resume dispatch, no waits; one per copy call, and {PASS} "
+                                 "per call where the tree parks and resumes a pass's yields "
+                                 "together: a checkout from before that copies one at a "
+                                 f"time in both columns) and {ADMITS} admissions of "
                                  "40-token prompts (prefill chunks of 16 and slot loading), "
                                  f"fastest of {ROUNDS} rounds, each tree in its own process",
                                  f"yield check: one slots_to_yield pass asking {CHECKS} running "

@@ -227,6 +227,7 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   m["rollout/ahead_hit_rate"] = stats["ahead_hits"] / max(
       stats["ahead_hits"] + stats["ahead_misses"], 1)
   m["rollout/yields"] = stats.get("yields", 0)  # slots given up mid-response (--divide_every)
+  m["rollout/yield_passes"] = stats.get("yield_passes", 0)  # engine passes that yielded
   m["time/rollout"] = stats["time/rollout"]
   # Wall time from the rollout's start to its last response, and to finish its last 10%
   # (summed over a step's rounds): what the admission order (--schedule) acts on.

@@ -55,10 +55,5 @@ load_slots_jit = jax.jit(counted("load", step.load_slots), donate_argnums=(0,))
 regroup_jit = jax.jit(counted("regroup", step.regroup))
 
 
-def _copy_row(dst, src, dst_row, src_row):
-  """KV row `src_row` of cache `src` written into row `dst_row` of `dst` (divided rollout:
-  a slot's KV to its park row and back)."""
-  return kv_cache.write_slot(dst, dst_row, kv_cache.read_slot(src, src_row))
-
-
-copy_row_jit = jax.jit(counted("copy_row", _copy_row), donate_argnums=(0,))
+# Divided rollout: KV rows from the batch cache to park rows and back, a pass's rows per call.
+copy_rows_jit = jax.jit(counted("copy_rows", kv_cache.copy_rows), donate_argnums=(0,))

@@ -12,16 +12,22 @@ depend on (seed, request, position) alone, the tokens are those of an undivided 
 parks while the step before is still in flight (the device copies after it); the request may
 resume only once the engine has read that step, so the pipeline never stops for a yield. Each
 yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU, 0.18 ms on an H200
-where a decode step takes ~4 ms); the engine times them at warm-up and tells the admission
-order (`set_yield_cost`), which weighs them against what a yield can gain.
+where a decode step takes ~4 ms, both measured one yield per call). A pass parks all the
+requests it yields in one call and resumes all the parked requests it admits in another
+(`kv_cache.copy_rows`), so the dispatch and index transfer are paid per pass, not per yield
+(bench/schedsim.py's traces yield 3 to 5 requests per pass that yields). The engine times a
+pass at warm-up (`YieldCost`) and tells the admission order (`set_yield_cost`), which weighs it
+against what a yield can gain.
 
-The pool's size is a compile-time constant, so the copies compile once per bucket at warm-up.
+The pool's size is a compile-time constant, and the copies' index array has the batch's rows,
+so the copies compile once per bucket at warm-up.
 Started-and-unfinished requests are at most slots + park_rows: a full pool stops yields until a
 parked request resumes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -31,6 +37,32 @@ import numpy as np
 from rhyme_jax.models.attention import KVCache
 from rhyme_jax.rollout import compiled
 from rhyme_jax.rollout.interface import yield_rule
+
+
+@dataclasses.dataclass(frozen=True)
+class YieldCost:
+  """Device time of divided rollout's KV row copies (`ParkPool.warmup`), in seconds.
+
+  A pass of the engine parks every request it yields in one call and resumes every parked
+  request it admits in another (`ParkPool.park`, `ParkPool.resume`), so a pass of n yields
+  costs about `pass_seconds(n)` = fixed + n x per_row: the fixed part (dispatch, index
+  transfer, launch) is paid once per pass, the per-row part (bytes) once per yield."""
+
+  one: float  # a pass of one yield (its two copies), queued as a rollout dispatches them
+  one_waited: float  # the same, each pass waited for (for comparison)
+  rows: int  # the larger pass timed
+  many: float  # a pass of `rows` yields, queued
+
+  @property
+  def per_row(self) -> float:
+    return max(0.0, (self.many - self.one) / (self.rows - 1)) if self.rows > 1 else self.one
+
+  @property
+  def fixed(self) -> float:
+    return max(0.0, self.one - self.per_row)
+
+  def pass_seconds(self, yields: int) -> float:
+    return self.fixed + yields * self.per_row if yields else 0.0
 
 
 class ParkPool:
@@ -59,51 +91,80 @@ class ParkPool:
   def records(self) -> list:
     return [rec for _, rec in self._held.values()]
 
-  def park(self, cache: KVCache, slot: int, record) -> None:
-    """Copies `slot`'s KV row of `cache` (not donated) into a free pool row and keeps
-    `record` (its `.req.request_id` the key) until the request resumes or is dropped."""
-    if not self._free:
-      raise RuntimeError("ParkPool.park: no free row (the engine checks free_rows first)")
-    row = self._free.pop()
-    self.cache = compiled.copy_row_jit(self.cache, cache, np.int32(row), np.int32(slot))
-    self._held[record.req.request_id] = (row, record)
+  @staticmethod
+  def _moves(pairs: list[tuple[int, int]], batch: int) -> np.ndarray:
+    """(destination row, source row) pairs as `kv_cache.copy_rows`' 2 x batch index array
+    (-1 after the last pair): one host-to-device transfer for a pass's rows."""
+    rows_2xM = np.full((2, batch), -1, np.int32)
+    if pairs:
+      rows_2xM[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+    return rows_2xM
+
+  def park(self, cache: KVCache, parks: list[tuple[int, Any]]) -> None:
+    """For each (slot, record): copies `slot`'s KV row of `cache` (not donated) into a free
+    pool row and keeps `record` (its `.req.request_id` the key) until the request resumes or
+    is dropped. All of them in one call (at most the cache's rows)."""
+    if len(parks) > len(self._free):
+      raise RuntimeError(f"ParkPool.park: {len(parks)} rows asked, {len(self._free)} free "
+                         "(the engine checks free_rows first)")
+    if not parks:
+      return
+    pairs = []
+    for slot, record in parks:
+      row = self._free.pop()
+      pairs.append((row, slot))
+      self._held[record.req.request_id] = (row, record)
+    self.cache = compiled.copy_rows_jit(self.cache, cache, self._moves(pairs, cache.batch))
     self.peak = max(self.peak, len(self._held))
 
   def drop(self, request_id: int) -> None:
     """Frees a parked request's row without copying it back (it finished in flight)."""
     self._free.append(self._held.pop(request_id)[0])
 
-  def resume(self, cache: KVCache, slot: int, request_id: int) -> KVCache:
-    """`cache` (donated) with the parked request's KV row written into `slot`; frees its row."""
-    row, _ = self._held.pop(request_id)
-    self._free.append(row)
-    return compiled.copy_row_jit(cache, self.cache, np.int32(slot), np.int32(row))
+  def resume(self, cache: KVCache, resumes: list[tuple[int, int]]) -> KVCache:
+    """`cache` (donated) with each (slot, request id)'s parked KV row written into `slot`, in
+    one call; frees their rows."""
+    if not resumes:
+      return cache
+    pairs = []
+    for slot, request_id in resumes:
+      row, _ = self._held.pop(request_id)
+      self._free.append(row)
+      pairs.append((slot, row))
+    return compiled.copy_rows_jit(cache, self.cache, self._moves(pairs, cache.batch))
 
-  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, float, float]:
+  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, YieldCost | None]:
     """Compiles both copies for a bucket's cache shape. Returns the (donated) cache back and,
-    with `reps` > 0, a yield's cost in seconds two ways (else nan, nan):
-      - queued: 4 x `reps` rounds (both copies) dispatched back to back, waited for once, per
-        round: what a yield adds to the device's queue in a rollout, where copies follow
-        steps without a wait (the engine's measure of a yield);
-      - waited: the fastest single round waited for (adds a round trip to the host per yield,
-        which a rollout never waits for)."""
-    def round_trip(cache):
-      self.cache = compiled.copy_row_jit(self.cache, cache, np.int32(0), np.int32(0))
-      return compiled.copy_row_jit(cache, self.cache, np.int32(0), np.int32(0))
+    with `reps` > 0, what yields cost (`YieldCost`; else None), timed on rows 0.. of both:
+      - queued: 4 x `reps` passes (parks, then resumes) dispatched back to back and waited for
+        once, per pass: what a pass of yields adds to the device's queue in a rollout, where
+        copies follow steps without a wait. Passes of one yield and of `YieldCost.rows`
+        (up to 4: a typical pass in bench/schedsim.py's traces moves 3 to 5);
+      - waited: the fastest pass of one yield waited for (adds a round trip to the host per
+        pass, which a rollout never waits for)."""
+    batch = cache.batch
+    def round_trip(cache, n):
+      rows_2xM = self._moves([(i, i) for i in range(n)], batch)
+      self.cache = compiled.copy_rows_jit(self.cache, cache, rows_2xM)
+      return compiled.copy_rows_jit(cache, self.cache, rows_2xM)
 
-    cache = jax.block_until_ready(round_trip(cache))  # compiles
+    cache = jax.block_until_ready(round_trip(cache, 1))  # compiles
+    if not reps:
+      return cache, None
     waited = []
     for _ in range(reps):
       t0 = time.perf_counter()
-      cache = jax.block_until_ready(round_trip(cache))
+      cache = jax.block_until_ready(round_trip(cache, 1))
       waited.append(time.perf_counter() - t0)
-    if not reps:
-      return cache, float("nan"), float("nan")
-    t0 = time.perf_counter()
-    for _ in range(4 * reps):
-      cache = round_trip(cache)
-    jax.block_until_ready(cache)
-    return cache, (time.perf_counter() - t0) / (4 * reps), min(waited)
+    queued = {}
+    many = max(1, min(4, self.rows, batch))
+    for n in sorted({1, many}):
+      t0 = time.perf_counter()
+      for _ in range(4 * reps):
+        cache = round_trip(cache, n)
+      jax.block_until_ready(cache)
+      queued[n] = (time.perf_counter() - t0) / (4 * reps)
+    return cache, YieldCost(queued[1], min(waited), many, queued[many])
 
 
 def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: int,
@@ -138,9 +199,9 @@ def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], queue: 
   the row after every step already dispatched), slot freed. The request rejoins `queue` at
   once, or, while a step holding it is in flight (`landing` given), its record waits in
   `landing` for the engine to read that step."""
+  pool.park(cache, [(i, slots[i]) for i in marked])
   for i in marked:
     lv = slots[i]
-    pool.park(cache, i, lv)
     slots[i] = None
     if landing is None:
       queue.append(lv.req)

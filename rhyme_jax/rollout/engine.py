@@ -34,7 +34,7 @@ from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
-from rhyme_jax.rollout.divided import ParkPool, park, slots_to_yield
+from rhyme_jax.rollout.divided import ParkPool, YieldCost, park, slots_to_yield
 from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
@@ -89,20 +89,29 @@ class RolloutEngine:
     self.stats = EngineStats()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for drafting ahead
     self._parked: ParkPool | None = None  # divided rollout's KV rows, made on first use
-    # A yield's two row copies in seconds (warm-up, ParkPool.warmup): queued behind one another
-    # as a rollout dispatches them (the cost handed to the admission order), and each waited
-    # for (for comparison; includes a round trip to the host no rollout makes).
-    self.yield_seconds: float | None = None
-    self.yield_seconds_waited: float | None = None
+    # What yields' row copies cost on this device (warm-up, ParkPool.warmup): passes of one
+    # and of several yields, queued as a rollout dispatches them.
+    self.yield_cost: YieldCost | None = None
+
+  @property
+  def yield_seconds(self) -> float | None:
+    """A pass of one yield (its two row copies), queued: the cost handed to the admission
+    order (a yield that shares its pass with others costs less: `yield_cost.per_row`)."""
+    return None if self.yield_cost is None else self.yield_cost.one
+
+  @property
+  def yield_seconds_waited(self) -> float | None:
+    """The same pass, waited for (for comparison; adds a host round trip no rollout makes)."""
+    return None if self.yield_cost is None else self.yield_cost.one_waited
 
   @property
   def yield_steps(self) -> float | None:
-    """A yield's cost in decode steps: its two row copies over a plain step of the largest
-    bucket at the longest cache length (warm-up times); None before a warm-up with park rows."""
-    if self.yield_seconds is None:
+    """`yield_seconds` in decode steps: over a plain step of the largest bucket at the longest
+    cache length (warm-up times); None before a warm-up with park rows."""
+    if self.yield_cost is None:
       return None
     b = max(self.config.buckets)
-    return self.yield_seconds / self.costs.warm[(b, b, 1, self.kv_lengths[-1])]
+    return self.yield_cost.one / self.costs.warm[(b, b, 1, self.kv_lengths[-1])]
 
   def _place(self, tree):
     """`tree` on the params' mesh (replicated) when they have one, so the first step sees the
@@ -160,11 +169,10 @@ class RolloutEngine:
         state = self._admit(state, dummy)
       if self.config.park_rows:
         timed = bucket == buckets[0]  # a yield's two row copies, at the largest bucket
-        cache, queued, waited = self.park_pool().warmup(state.cache,
-                                                        _TIMING_REPS if timed else 0)
+        cache, cost = self.park_pool().warmup(state.cache, _TIMING_REPS if timed else 0)
         state = state.replace(cache=cache)
         if timed:
-          self.yield_seconds, self.yield_seconds_waited = queued, waited
+          self.yield_cost = cost
       if bucket != buckets[-1]:
         self._shrink(state, bucket, list(range(bucket)))
 
@@ -198,8 +206,9 @@ class RolloutEngine:
              resumed: dict[int, list] | None = None) -> step.DecodeState:
     """Prefills all but the last prompt token of each (slot, request); the last becomes the
     slot's root. A request in `resumed` ({request id: its tokens so far}) yielded its slot
-    earlier (divided rollout): its KV row comes back from the park pool instead, and its last
-    token is the root. Slot parameters are set for all admitted requests in one call."""
+    earlier (divided rollout): its KV row comes back from the park pool instead (all of them in
+    one copy), and its last token is the root. Slot parameters are set for all admitted
+    requests in one call."""
     if not admits:
       return state
     t0 = time.perf_counter()
@@ -209,11 +218,12 @@ class RolloutEngine:
     new = np.zeros(b, bool)
     length, root, request, top_k = (np.zeros(b, np.int32) for _ in range(4))
     temperature, top_p = np.ones(b, np.float32), np.ones(b, np.float32)
+    back = []  # (slot, request id) of resumed requests
     for slot, req in admits:
       prompt = np.asarray(req.prompt, np.int32)
       done = resumed.get(req.request_id) if resumed else None
       if done is not None:  # the KV of the prompt and all but its last token is parked
-        cache = self._parked.resume(cache, slot, req.request_id)
+        back.append((slot, req.request_id))
         cached, last = len(prompt) + len(done) - 1, done[-1]
       else:
         cached, last = len(prompt) - 1, prompt[-1]
@@ -228,6 +238,8 @@ class RolloutEngine:
       new[slot] = True
       length[slot], root[slot], request[slot] = cached, last, req.request_id
       temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
+    if back:
+      cache = self._parked.resume(cache, back)
     state = compiled.load_slots_jit(state.replace(cache=cache), new, length, root, request,
                                     temperature, top_p, top_k)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
@@ -402,6 +414,7 @@ class RolloutEngine:
         park(pool, state.cache, slots, marked, queue,
              None if pending is None else landing)
         stats.yields += len(marked)
+        stats.yield_passes += bool(marked)
         untimed = untimed or bool(marked)
       resumed = {}
       for i in range(bucket):

@@ -228,6 +228,7 @@ class EngineStats:
   ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
   ahead_misses: int = 0  # queries whose emitted tokens left their tree drafted ahead
   yields: int = 0  # slots given up by running requests (divided rollout)
+  yield_passes: int = 0  # engine passes that parked at least one (one copy call each)
   parked_peak: int = 0  # most yielded requests waiting at once (their KV in park rows)
   total_time_s: float = 0.0
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
@@ -262,5 +263,5 @@ class EngineStats:
                 draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
                 lookahead_time_s=self.lookahead_time_s,
                 lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
-                ahead_misses=self.ahead_misses, yields=self.yields,
+                ahead_misses=self.ahead_misses, yields=self.yields, yield_passes=self.yield_passes,
                 parked_peak=self.parked_peak, total_time_s=self.total_time_s)

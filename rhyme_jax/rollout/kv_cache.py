@@ -1,11 +1,12 @@
-"""KV-cache moves outside attention: compacting an accepted tree path, and moving slots between
-batch buckets. Both are gathers/scatters on the stacked L×B×S×K×H cache, done in place when the
-cache is donated."""
+"""KV-cache moves outside attention: compacting an accepted tree path, moving slots between
+batch buckets, and copying whole rows between caches (divided rollout's park pool). All are
+gathers/scatters on the stacked L×B×S×K×H cache, done in place when the cache is donated."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from rhyme_jax.models.attention import KVCache
 
@@ -42,3 +43,18 @@ def write_slot(cache: KVCache, slot: jax.Array, one: KVCache) -> KVCache:
   """Writes a batch-of-1 cache back into `slot`."""
   put = lambda x, u: jax.lax.dynamic_update_slice_in_dim(x, u, slot, axis=1)
   return KVCache(put(cache.k_LxBxSxKxH, one.k_LxBxSxKxH), put(cache.v_LxBxSxKxH, one.v_LxBxSxKxH))
+
+
+def copy_rows(dst: KVCache, src: KVCache, rows_2xM: jax.Array) -> KVCache:
+  """`dst` with row rows_2xM[1, i] of `src` written into its row rows_2xM[0, i], for every
+  i before the first negative entry of rows_2xM[0] (the padding; M is a static maximum).
+
+  One call moves every row a pass needs (divided rollout parks or resumes several requests at
+  once): one dispatch and one index transfer for all of them, and a loop over the real rows
+  only, so the bytes moved are the rows copied, never M of them.
+  """
+  rows_2xM = jnp.asarray(rows_2xM, jnp.int32)
+  pad_M = rows_2xM[0] < 0
+  count = jnp.where(pad_M.any(), jnp.argmax(pad_M), pad_M.shape[0])
+  return lax.fori_loop(0, count, lambda i, d: write_slot(d, rows_2xM[0, i],
+                                                         read_slot(src, rows_2xM[1, i])), dst)

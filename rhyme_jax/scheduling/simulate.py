@@ -23,7 +23,8 @@ frees, and every `chunk` tokens of a running request (divided rollout) the polic
 `should_yield` where it has one, else whether `next_to_admit` offered the queue plus the running
 request picks another, while its shard's queue holds work (as rollout/divided.py asks;
 history_residual yields to a margin more expected remaining work); each such yield stalls its
-shard for `DividedRollout.yield_ms` (the engine's two KV row copies). A static order's yield
+shard for `DividedRollout.yield_ms` (the engine's two KV row copies), and a step that yields at
+all for `pass_ms` more (the engine copies a pass's rows in one call each way). A static order's yield
 (or one with an empty queue) requeues the request where it balances shards, resuming in place
 for free on its own. The
 `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
@@ -50,6 +51,9 @@ class DividedRollout:
   chunk: int = 0
   keep_kv: bool = True
   yield_ms: float = 0.0  # device time a yield stalls its shard (the two KV row copies)
+  # Once per step that yields on a shard, whatever the count: the engine parks a pass's
+  # yields in one copy call and resumes them in one more (dispatch, index transfer, launch).
+  pass_ms: float = 0.0
 
   def should_yield(self, generated_since_admission: float) -> bool:
     return self.chunk > 0 and generated_since_admission >= self.chunk
@@ -100,6 +104,7 @@ class SimResult:
   shard_end_ms: np.ndarray
   peak_started: int = 0  # most requests started and unfinished at once (KV held), all shards
   yields: int = 0  # divided rollout: slots given up
+  yield_passes: int = 0  # steps of a shard that gave up at least one (one copy call each way)
 
 
 def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
@@ -141,7 +146,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   finish_at: dict[int, float] = {}
   t = [0.0] * cfg.shards
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
-  steps = spec_steps = prefill_tokens = migrations = peak_started = yields = 0
+  steps = spec_steps = prefill_tokens = migrations = peak_started = yields = passes = 0
   shard_steps = [0] * cfg.shards
   started = 0
   tokens = busy = now = 0.0
@@ -189,6 +194,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     spec_steps += budget > 0
     busy += live * dt
     keep, yielded = [], []
+    passed = False
     for j in rows[s]:
       step_tokens = min(advance, j.length - j.progress)
       j.progress += step_tokens
@@ -206,7 +212,9 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         give = wants_yield(policies[s], [x.meta for x in queues[s]], j.meta, finished, live_len,
                            cfg.divided.chunk)
         if give:  # a real preemption: the slot goes to another, the KV row is parked
-          t[s] += cfg.divided.yield_ms
+          t[s] += cfg.divided.yield_ms + (0.0 if passed else cfg.divided.pass_ms)
+          passes += not passed
+          passed = True
           yields += 1
         else:
           j.since = j.progress  # offered again after another chunk
@@ -223,4 +231,5 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   makespan = float(finish.max()) if len(finish) else 0.0
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
-                   tokens, prefill_tokens, migrations, np.array(t), peak_started, yields)
+                   tokens, prefill_tokens, migrations, np.array(t), peak_started, yields,
+                   passes)

@@ -145,3 +145,29 @@ def test_no_compilation_when_dividing_with_params_on_a_mesh(tiny_model):
   before = dict(TRACE_COUNTS)
   eng.generate(requests(), admission=FewestTokensFirst())
   assert dict(TRACE_COUNTS) == before and eng.stats.yields > 0
+
+
+def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monkeypatch):
+  """Every request a pass yields is parked by one copy call, every parked request it admits
+  comes back by one more: copy calls are per pass, fewer than two per yield when passes yield
+  several (as the 4 requests admitted together do, each asked after 4 tokens)."""
+  from rhyme_jax.rollout import compiled
+  calls = []
+  real = compiled.copy_rows_jit
+  monkeypatch.setattr(compiled, "copy_rows_jit",
+                      lambda dst, src, rows: (calls.append(int((rows[0] >= 0).sum())),
+                                              real(dst, src, rows))[1])
+  base = engine(tiny_model).generate(requests())
+  eng = engine(tiny_model, divide_every=4, park_rows=3)
+  calls.clear()
+  _same(base, eng.generate(requests(), admission=FewestTokensFirst()))
+  st = eng.stats
+  assert sum(calls) == 2 * st.yields  # every yield's row out and back (none ended in flight)
+  assert st.yield_passes < st.yields and len(calls) < 2 * st.yields
+  assert max(calls) > 1
+  # Warm-up timed passes of one yield and of several; the per-row part is what a yield adds
+  # to a pass that already copies.
+  cost = eng.yield_cost
+  assert cost.rows == 3 and cost.one > 0 and cost.many > 0
+  assert cost.pass_seconds(0) == 0 and cost.pass_seconds(1) <= cost.pass_seconds(3)
+  assert cost.fixed >= 0 and cost.per_row >= 0

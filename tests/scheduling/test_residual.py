@@ -171,3 +171,37 @@ def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
   got = slots_to_yield(slots, queue, order, {}, live, every=8, room=len(queue))
   assert got == want and 0 < len(got) < len(running)  # some yield, not all
   assert scans == [len(queue)]  # one scan of the queue for the whole pass
+
+
+class _FewestTokensFirst:
+  """Online: the request with the fewest tokens so far runs (an unstarted one has none), so
+  every running request yields whenever one waits."""
+
+  online = True
+  name = "fewest_tokens"
+
+  def order(self, queue):
+    return list(queue)
+
+  def next_to_admit(self, queue, finished, live):
+    del finished
+    return min(range(len(queue)), key=lambda i: (live.get(queue[i].request_id, 0), i))
+
+
+def test_a_step_that_yields_pays_its_pass_once():
+  """Requests admitted together reach their chunk together and yield in the same step: each
+  yield costs `yield_ms`, each step that yields `pass_ms` once (the engine copies a pass's rows
+  in one call each way), so the makespan grows by exactly yields x yield_ms + passes x pass_ms
+  and passes are fewer than yields."""
+  jobs = _jobs({"a": [16, 16], "b": [16, 16]})
+  runs = {}
+  for yield_ms, pass_ms in ((0.0, 0.0), (0.5, 0.0), (0.5, 2.0)):
+    cfg = SimConfig(slots=2, buckets=(64, 2, 1),
+                    divided=DividedRollout(8, yield_ms=yield_ms, pass_ms=pass_ms))
+    runs[yield_ms, pass_ms] = simulate(jobs, _FewestTokensFirst, FLAT, cfg)
+  free = runs[0.0, 0.0]
+  assert free.yields == 4 and free.yield_passes == 2  # two rows out at 8 tokens, twice
+  for (yield_ms, pass_ms), r in runs.items():
+    assert (r.yields, r.yield_passes) == (free.yields, free.yield_passes)
+    assert r.makespan_ms == pytest.approx(free.makespan_ms + yield_ms * r.yields
+                                          + pass_ms * r.yield_passes)
