@@ -19,8 +19,8 @@ requests it yields in one call and resumes all the parked requests it admits in 
 pass at warm-up (`YieldCost`) and tells the admission order (`set_yield_cost`), which weighs it
 against what a yield can gain.
 
-The pool's size is a compile-time constant, and the copies' index array has the batch's rows,
-so the copies compile once per bucket at warm-up.
+The pool's size is a compile-time constant, and a pass's copies come in a few sizes (powers of
+two up to 8 rows, `MAX_PASS_ROWS`), so they compile at warm-up: at most four per bucket.
 Started-and-unfinished requests are at most slots + park_rows: a full pool stops yields until a
 parked request resumes.
 """
@@ -65,6 +65,11 @@ class YieldCost:
     return self.fixed + yields * self.per_row if yields else 0.0
 
 
+# The most rows one copy call moves: a pass's yields are a few (3 to 5 in bench/schedsim.py's
+# traces), and each width compiles per bucket at warm-up (an unrolled copy per row).
+MAX_PASS_ROWS = 8
+
+
 class ParkPool:
   """`rows` KV rows on the device for requests that yielded their slot, each with the engine's
   record of it (`LiveRequest`: tokens so far), keyed by request id."""
@@ -91,19 +96,33 @@ class ParkPool:
   def records(self) -> list:
     return [rec for _, rec in self._held.values()]
 
-  @staticmethod
-  def _moves(pairs: list[tuple[int, int]], batch: int) -> np.ndarray:
-    """(destination row, source row) pairs as `kv_cache.copy_rows`' 2 x batch index array
-    (-1 after the last pair): one host-to-device transfer for a pass's rows."""
-    rows_2xM = np.full((2, batch), -1, np.int32)
-    if pairs:
-      rows_2xM[:, :len(pairs)] = np.asarray(pairs, np.int32).T
-    return rows_2xM
+  def pass_sizes(self, batch: int) -> list[int]:
+    """Rows one copy call moves (its index array's width), the compiled sizes for a batch of
+    `batch` rows: powers of two up to the first that holds min(batch, pool rows,
+    MAX_PASS_ROWS); a larger pass takes several calls."""
+    most = max(1, min(batch, self.rows, MAX_PASS_ROWS))
+    return [1 << k for k in range(most.bit_length() + (most & (most - 1) > 0))]
+
+  def _copies(self, dst: KVCache, src: KVCache, pairs: list[tuple[int, int]],
+              batch: int) -> KVCache:
+    """`dst` (donated) with the (destination row, source row) `pairs` copied from `src`: one
+    `kv_cache.copy_rows` call per MAX_PASS_ROWS pairs, each padded to the smallest
+    `pass_sizes` width that holds them by repeating its last pair (copying a row twice writes
+    the same values); one host-to-device transfer of indices per call."""
+    sizes = self.pass_sizes(batch)
+    for at in range(0, len(pairs), sizes[-1]):
+      part = pairs[at:at + sizes[-1]]
+      k = next(n for n in sizes if n >= len(part))
+      rows_2xK = np.empty((2, k), np.int32)
+      rows_2xK[:, :len(part)] = np.asarray(part, np.int32).T
+      rows_2xK[:, len(part):] = rows_2xK[:, len(part) - 1:len(part)]
+      dst = compiled.copy_rows_jit(dst, src, rows_2xK)
+    return dst
 
   def park(self, cache: KVCache, parks: list[tuple[int, Any]]) -> None:
     """For each (slot, record): copies `slot`'s KV row of `cache` (not donated) into a free
     pool row and keeps `record` (its `.req.request_id` the key) until the request resumes or
-    is dropped. All of them in one call (at most the cache's rows)."""
+    is dropped. All of them in one call (up to MAX_PASS_ROWS)."""
     if len(parks) > len(self._free):
       raise RuntimeError(f"ParkPool.park: {len(parks)} rows asked, {len(self._free)} free "
                          "(the engine checks free_rows first)")
@@ -114,7 +133,7 @@ class ParkPool:
       row = self._free.pop()
       pairs.append((row, slot))
       self._held[record.req.request_id] = (row, record)
-    self.cache = compiled.copy_rows_jit(self.cache, cache, self._moves(pairs, cache.batch))
+    self.cache = self._copies(self.cache, cache, pairs, cache.batch)
     self.peak = max(self.peak, len(self._held))
 
   def drop(self, request_id: int) -> None:
@@ -123,7 +142,7 @@ class ParkPool:
 
   def resume(self, cache: KVCache, resumes: list[tuple[int, int]]) -> KVCache:
     """`cache` (donated) with each (slot, request id)'s parked KV row written into `slot`, in
-    one call; frees their rows."""
+    one call (up to MAX_PASS_ROWS); frees their rows."""
     if not resumes:
       return cache
     pairs = []
@@ -131,11 +150,11 @@ class ParkPool:
       row, _ = self._held.pop(request_id)
       self._free.append(row)
       pairs.append((slot, row))
-    return compiled.copy_rows_jit(cache, self.cache, self._moves(pairs, cache.batch))
+    return self._copies(cache, self.cache, pairs, cache.batch)
 
   def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, YieldCost | None]:
-    """Compiles both copies for a bucket's cache shape. Returns the (donated) cache back and,
-    with `reps` > 0, what yields cost (`YieldCost`; else None), timed on rows 0.. of both:
+    """Compiles both copies at every pass size for a bucket's cache shape (`pass_sizes`).
+    Returns the (donated) cache back and, with `reps` > 0, what yields cost (`YieldCost`; else None), timed on rows 0.. of both:
       - queued: 4 x `reps` passes (parks, then resumes) dispatched back to back and waited for
         once, per pass: what a pass of yields adds to the device's queue in a rollout, where
         copies follow steps without a wait. Passes of one yield and of `YieldCost.rows`
@@ -144,11 +163,12 @@ class ParkPool:
         pass, which a rollout never waits for)."""
     batch = cache.batch
     def round_trip(cache, n):
-      rows_2xM = self._moves([(i, i) for i in range(n)], batch)
-      self.cache = compiled.copy_rows_jit(self.cache, cache, rows_2xM)
-      return compiled.copy_rows_jit(cache, self.cache, rows_2xM)
+      pairs = [(i, i) for i in range(n)]
+      self.cache = self._copies(self.cache, cache, pairs, batch)
+      return self._copies(cache, self.cache, pairs, batch)
 
-    cache = jax.block_until_ready(round_trip(cache, 1))  # compiles
+    for n in self.pass_sizes(batch):  # compiles
+      cache = jax.block_until_ready(round_trip(cache, n))
     if not reps:
       return cache, None
     waited = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from rhyme_jax.models.attention import KVCache
 
@@ -45,16 +44,18 @@ def write_slot(cache: KVCache, slot: jax.Array, one: KVCache) -> KVCache:
   return KVCache(put(cache.k_LxBxSxKxH, one.k_LxBxSxKxH), put(cache.v_LxBxSxKxH, one.v_LxBxSxKxH))
 
 
-def copy_rows(dst: KVCache, src: KVCache, rows_2xM: jax.Array) -> KVCache:
-  """`dst` with row rows_2xM[1, i] of `src` written into its row rows_2xM[0, i], for every
-  i before the first negative entry of rows_2xM[0] (the padding; M is a static maximum).
+def copy_rows(dst: KVCache, src: KVCache, rows_2xK: jax.Array) -> KVCache:
+  """`dst` with row rows_2xK[1, i] of `src` written into its row rows_2xK[0, i], for each of
+  the K (static) columns, in order.
 
   One call moves every row a pass needs (divided rollout parks or resumes several requests at
-  once): one dispatch and one index transfer for all of them, and a loop over the real rows
-  only, so the bytes moved are the rows copied, never M of them.
+  once): one dispatch and one index transfer for all of them. K comes from a few sizes (powers
+  of two) so that few shapes compile; a pass of fewer rows repeats its last pair, which writes
+  the same values again. An unrolled loop, not one bounded by a device-side count: a GPU
+  while loop reads its predicate back to the host every iteration, a blocking sync that would
+  stall the step queue behind it.
   """
-  rows_2xM = jnp.asarray(rows_2xM, jnp.int32)
-  pad_M = rows_2xM[0] < 0
-  count = jnp.where(pad_M.any(), jnp.argmax(pad_M), pad_M.shape[0])
-  return lax.fori_loop(0, count, lambda i, d: write_slot(d, rows_2xM[0, i],
-                                                         read_slot(src, rows_2xM[1, i])), dst)
+  rows_2xK = jnp.asarray(rows_2xK, jnp.int32)
+  for i in range(rows_2xK.shape[1]):
+    dst = write_slot(dst, rows_2xK[0, i], read_slot(src, rows_2xK[1, i]))
+  return dst

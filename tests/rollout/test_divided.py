@@ -155,7 +155,7 @@ def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monk
   calls = []
   real = compiled.copy_rows_jit
   monkeypatch.setattr(compiled, "copy_rows_jit",
-                      lambda dst, src, rows: (calls.append(int((rows[0] >= 0).sum())),
+                      lambda dst, src, rows: (calls.append(len(set(zip(*rows.tolist())))),
                                               real(dst, src, rows))[1])
   base = engine(tiny_model).generate(requests())
   eng = engine(tiny_model, divide_every=4, park_rows=3)
@@ -171,3 +171,33 @@ def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monk
   assert cost.rows == 3 and cost.one > 0 and cost.many > 0
   assert cost.pass_seconds(0) == 0 and cost.pass_seconds(1) <= cost.pass_seconds(3)
   assert cost.fixed >= 0 and cost.per_row >= 0
+
+
+def test_park_pool_moves_a_large_pass_in_calls_of_at_most_max_pass_rows(tiny_model, monkeypatch):
+  """11 rows parked at once take two calls (8, then 3 padded to 4); resumed into other slots,
+  each slot holds the KV row its request had. Widths are the compiled pass sizes."""
+  import jax
+  from rhyme_jax.models.attention import KVCache
+  from rhyme_jax.rollout import compiled, divided
+  from rhyme_jax.rollout.live import LiveRequest
+  cfg = tiny_model.cfg
+  pool = divided.ParkPool(cfg, 12, 8, lambda t: t)
+  assert pool.pass_sizes(12) == [1, 2, 4, 8] and pool.pass_sizes(3) == [1, 2, 4]
+  rng = np.random.default_rng(0)
+  shape = KVCache.zeros(cfg, 12, 8).k_LxBxSxKxH.shape
+  cache = KVCache(jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32),
+                  jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32))
+  before = np.array(cache.k_LxBxSxKxH)
+  widths = []
+  real = compiled.copy_rows_jit
+  monkeypatch.setattr(compiled, "copy_rows_jit",
+                      lambda dst, src, rows: (widths.append(rows.shape[1]), real(dst, src, rows))[1])
+  pool.park(cache, [(s, LiveRequest(Request(100 + s, [0]))) for s in range(11)])
+  assert widths == [8, 4] and pool.free_rows() == 1
+  target = KVCache.zeros(cfg, 12, 8)
+  target = pool.resume(target, [((s + 1) % 12, 100 + s) for s in range(11)])
+  assert widths == [8, 4, 8, 4] and pool.free_rows() == 12
+  after = np.array(target.k_LxBxSxKxH)
+  for s in range(11):
+    np.testing.assert_array_equal(after[:, (s + 1) % 12], before[:, s])
+  np.testing.assert_array_equal(after[:, 0], 0)  # slot 0 got nothing (no request 111)
