@@ -109,14 +109,11 @@ class ParkPool:
     `kv_cache.copy_rows` call per MAX_PASS_ROWS pairs, each padded to the smallest
     `pass_sizes` width that holds them by repeating its last pair (copying a row twice writes
     the same values); one host-to-device transfer of indices per call."""
-    sizes = self.pass_sizes(batch)
-    for at in range(0, len(pairs), sizes[-1]):
-      part = pairs[at:at + sizes[-1]]
-      k = next(n for n in sizes if n >= len(part))
-      rows_2xK = np.empty((2, k), np.int32)
-      rows_2xK[:, :len(part)] = np.asarray(part, np.int32).T
-      rows_2xK[:, len(part):] = rows_2xK[:, len(part) - 1:len(part)]
-      dst = compiled.copy_rows_jit(dst, src, rows_2xK)
+    widest = self.pass_sizes(batch)[-1]
+    for at in range(0, len(pairs), widest):
+      part = pairs[at:at + widest]
+      part += part[-1:] * ((1 << (len(part) - 1).bit_length()) - len(part))  # a pass size
+      dst = compiled.copy_rows_jit(dst, src, np.array(part, np.int32).T)
     return dst
 
   def park(self, cache: KVCache, parks: list[tuple[int, Any]]) -> None:
