@@ -39,7 +39,7 @@ from rhyme_jax.scheduling.simulate import tail_time
 # Engine counters summed over a step's rollout rounds.
 _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked_steps",
                     "drafted", "accepted", "draft_time_s", "lookahead_time_s", "ahead_hits",
-                    "ahead_misses", "yields")
+                    "ahead_misses", "yields", "yield_passes")
 
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:

@@ -108,6 +108,7 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
     stats = {}
     second = rollouts.sample_round(prompts, 2, 0, stats)
     assert (stats["yields"] > 0) == (schedule == "residual")  # divided rollout
+    assert 0 < stats["yield_passes"] <= stats["yields"] or stats["yields"] == 0
     if schedule != "fifo":
       assert len(rollouts.store) == 3 and rollouts.predictor.predict(prompts[0].key).known
     out[schedule] = (flat(first), flat(second), rollouts.engine.stats.admitted)
