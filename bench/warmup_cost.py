@@ -1,0 +1,107 @@
+"""Rollout engine warm-up per trainer variant: step shapes compiled and seconds, plain vs HistoSpec.
+
+Every rollout shape compiles at warm-up (`RolloutEngine.warmup`), so a config's first GRPO step
+waits for all of them; speculation adds shapes (packed sizes x KV lengths per bucket). This
+builds the trainer's engine for a flagfile (`rl.rollouts.engine_config`, real weights) with
+`--spec=none` and with `--spec=histospec` (and its history drafter, built as the trainer does),
+each in its own process (engines in one process share compilations), and times `warmup()`: the
+compilations per compiled function and the seconds (ratio: to plain's warm-up).
+
+  python bench/warmup_cost.py                                   # the GPU GRPO run's config
+  python bench/warmup_cost.py --flag=--prompts_per_step=4 --no_append
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from bench import common  # noqa: E402
+
+VARIANTS = {"plain": "--spec=none", "+HistoSpec": "--spec=histospec"}
+
+
+def measure(flags: list[str]) -> dict:
+  """Builds one engine from trainer flags and times its warm-up (in this process)."""
+  from rhyme_jax.config import parse_flags
+  from rhyme_jax.history.drafter import HistoryDrafter
+  from rhyme_jax.history.store import HistoryStore
+  from rhyme_jax.models.loading import load_model
+  from rhyme_jax.models.tokenizer import load_tokenizer
+  from rhyme_jax.rl.rollouts import engine_config
+  from rhyme_jax.rollout.compiled import TRACE_COUNTS
+  from rhyme_jax.rollout.engine import RolloutEngine
+  config = parse_flags(["--run_dir=/nonexistent/warmup_cost", *flags])
+  c = config
+  t0 = time.perf_counter()
+  drafter = (HistoryDrafter(HistoryStore(), max_budget=c.rollout.draft_budget)
+             if c.rollout.spec == "histospec" else None)  # as rl.rollouts.Rollouts builds it
+  drafter_s = time.perf_counter() - t0
+  tokenizer = load_tokenizer(c.model.tokenizer or c.model.model)
+  eng_cfg = engine_config(c, tokenizer.stop_ids, drafter is not None)
+  model, _ = load_model(c.model.model)
+  engine = RolloutEngine(model, eng_cfg, drafter)
+  t0 = time.perf_counter()
+  engine.warmup()
+  return dict(seconds=time.perf_counter() - t0, drafter_seconds=drafter_s,
+              buckets=list(eng_cfg.buckets),
+              kv_lengths=list(engine.kv_lengths), traces=dict(TRACE_COUNTS))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--flagfile", default="configs/gsm8k_smollm2.flags")
+  p.add_argument("--flag", action="append", default=None,
+                 help="a trainer flag added to both variants (repeatable; default "
+                      "--prompts_per_step=16: the GPU GRPO run's 128 samples)")
+  p.add_argument("--worker", help=argparse.SUPPRESS)  # one variant's flags, JSON
+  p.add_argument("--note", action="append", default=[])
+  p.add_argument("--no_append", action="store_true")
+  args = p.parse_args(argv)
+  if args.worker:
+    print("RESULT " + json.dumps(measure(json.loads(args.worker))), flush=True)
+    return 0
+  flagfile = os.path.join(REPO, args.flagfile) if not os.path.isabs(args.flagfile) else args.flagfile
+  if not os.path.isfile(flagfile):
+    p.error(f"--flagfile={args.flagfile}: no such file")
+  extra = args.flag if args.flag is not None else ["--prompts_per_step=16"]
+  print(f"[warmup_cost] device: {common.device_description()}", flush=True)
+  results = {}
+  for name, spec in VARIANTS.items():
+    flags = [f"--flagfile={flagfile}", *extra, spec]
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(flags)],
+                         capture_output=True, text=True, cwd=REPO, check=False)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+      tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+      raise SystemExit(f"[warmup_cost] {name}: the worker failed (rc {out.returncode}): {tail}")
+    results[name] = json.loads(line[0][len("RESULT "):])
+    r = results[name]
+    print(f"[warmup_cost] {name}: {r['traces'].get('step', 0)} step shapes, "
+          f"{r['seconds']:.1f} s", flush=True)
+  base = results["plain"]
+  rows = [[name, " ".join(map(str, r["buckets"])), " ".join(map(str, r["kv_lengths"])),
+           r["traces"].get("step", 0), sum(r["traces"].values()),
+           f"{r['drafter_seconds']:.1f}", f"{r['seconds']:.1f}",
+           f"{r['seconds'] / base['seconds']:.2f}"] for name, r in results.items()]
+  table = common.markdown_table(["variant", "buckets", "kv lengths", "step shapes compiled",
+                                 "all compilations", "drafter build s", "warm-up s", "ratio"],
+                                rows)
+  print(table)
+  if not args.no_append:
+    common.append_results(
+        "Engine warm-up per variant (bench/warmup_cost.py)", table,
+        [f"trainer engine of {args.flagfile} with {' '.join(extra)}, real weights; each "
+         "variant in its own process; warm-up = RolloutEngine.warmup (compiles and times every "
+         "step shape, prefill, slot loading and bucket moves)", *args.note])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
