@@ -67,7 +67,7 @@ def main(argv=None):
   if args.worker:
     print("RESULT " + json.dumps(measure(json.loads(args.worker))), flush=True)
     return 0
-  flagfile = os.path.join(REPO, args.flagfile) if not os.path.isabs(args.flagfile) else args.flagfile
+  flagfile = os.path.join(REPO, args.flagfile)  # an absolute --flagfile stays as it is
   if not os.path.isfile(flagfile):
     p.error(f"--flagfile={args.flagfile}: no such file")
   extra = args.flag if args.flag is not None else ["--prompts_per_step=16"]

@@ -136,8 +136,8 @@ def main(argv=None):
        f"host us per yield, passes of {PASS}", "ratio", "host us per admitted request",
        "ratio", "host us per yield check", "ratio"],
       [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
-        f"{r.get('per_yield_pass_us', r['per_yield_us']):.0f}",
-        f"{r.get('per_yield_pass_us', r['per_yield_us']) / base.get('per_yield_pass_us', base['per_yield_us']):.2f}",
+        f"{r['per_yield_pass_us']:.0f}",
+        f"{r['per_yield_pass_us'] / base['per_yield_pass_us']:.2f}",
         f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}",
         f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}"]
        for r in rows])

@@ -119,7 +119,7 @@ class ParkPool:
   def park(self, cache: KVCache, parks: list[tuple[int, Any]]) -> None:
     """For each (slot, record): copies `slot`'s KV row of `cache` (not donated) into a free
     pool row and keeps `record` (its `.req.request_id` the key) until the request resumes or
-    is dropped. All of them in one call (up to MAX_PASS_ROWS)."""
+    is dropped. All of them in one call (one per MAX_PASS_ROWS)."""
     if len(parks) > len(self._free):
       raise RuntimeError(f"ParkPool.park: {len(parks)} rows asked, {len(self._free)} free "
                          "(the engine checks free_rows first)")
@@ -139,7 +139,7 @@ class ParkPool:
 
   def resume(self, cache: KVCache, resumes: list[tuple[int, int]]) -> KVCache:
     """`cache` (donated) with each (slot, request id)'s parked KV row written into `slot`, in
-    one call (up to MAX_PASS_ROWS); frees their rows."""
+    one call (one per MAX_PASS_ROWS); frees their rows."""
     if not resumes:
       return cache
     pairs = []
@@ -151,7 +151,8 @@ class ParkPool:
 
   def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, YieldCost | None]:
     """Compiles both copies at every pass size for a bucket's cache shape (`pass_sizes`).
-    Returns the (donated) cache back and, with `reps` > 0, what yields cost (`YieldCost`; else None), timed on rows 0.. of both:
+    Returns the (donated) cache back and, with `reps` > 0, what yields cost (`YieldCost`;
+    else None), timed on rows 0.. of both:
       - queued: 4 x `reps` passes (parks, then resumes) dispatched back to back and waited for
         once, per pass: what a pass of yields adds to the device's queue in a rollout, where
         copies follow steps without a wait. Passes of one yield and of `YieldCost.rows`

@@ -168,7 +168,7 @@ class RolloutEngine:
               self.costs.observe_time((bucket, p, t, s), best, warmup=True)
         state = self._admit(state, dummy)
       if self.config.park_rows:
-        timed = bucket == buckets[0]  # a yield's two row copies, at the largest bucket
+        timed = bucket == buckets[0]  # passes of yields' row copies, at the largest bucket
         cache, cost = self.park_pool().warmup(state.cache, _TIMING_REPS if timed else 0)
         state = state.replace(cache=cache)
         if timed:

@@ -24,10 +24,9 @@ frees, and every `chunk` tokens of a running request (divided rollout) the polic
 request picks another, while its shard's queue holds work (as rollout/divided.py asks;
 history_residual yields to a margin more expected remaining work); each such yield stalls its
 shard for `DividedRollout.yield_ms` (the engine's two KV row copies), and a step that yields at
-all for `pass_ms` more (the engine copies a pass's rows in one call each way). A static order's yield
-(or one with an empty queue) requeues the request where it balances shards, resuming in place
-for free on its own. The
-`live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
+all for `pass_ms` more (the engine copies a pass's rows in one call each way). A static order's
+yield (or one with an empty queue) requeues the request where it balances shards, resuming in
+place for free on its own. The `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
 queued (what an online policy needs to rank a resumption).
 """
 

@@ -191,7 +191,8 @@ def test_park_pool_moves_a_large_pass_in_calls_of_at_most_max_pass_rows(tiny_mod
   widths = []
   real = compiled.copy_rows_jit
   monkeypatch.setattr(compiled, "copy_rows_jit",
-                      lambda dst, src, rows: (widths.append(rows.shape[1]), real(dst, src, rows))[1])
+                      lambda dst, src, rows: (widths.append(rows.shape[1]),
+                                              real(dst, src, rows))[1])
   pool.park(cache, [(s, LiveRequest(Request(100 + s, [0]))) for s in range(11)])
   assert widths == [8, 4] and pool.free_rows() == 1
   target = KVCache.zeros(cfg, 12, 8)

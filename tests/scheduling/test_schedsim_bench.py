@@ -81,3 +81,12 @@ def test_bad_slots_flag_is_one_clear_error(bad, capsys):
     schedsim.main(["--slots", bad, "--no_append"])
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert "--slots" in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("flag", ["--yield_ms", "--yield_pass_ms"])
+@pytest.mark.parametrize("bad", ["0.3", "0.3,x", "-1,2"])
+def test_bad_yield_cost_flags_are_one_clear_error(flag, bad, capsys):
+  with pytest.raises(SystemExit):
+    schedsim.main([f"{flag}={bad}", "--no_append"])
+  err = capsys.readouterr().err
+  assert flag in err and repr(bad) in err
