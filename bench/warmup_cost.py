@@ -5,10 +5,13 @@ waits for all of them; speculation adds shapes (packed sizes x KV lengths per bu
 builds the trainer's engine for a flagfile (`rl.rollouts.engine_config`, real weights) with
 `--spec=none` and with `--spec=histospec` (and its history drafter, built as the trainer does),
 each in its own process (engines in one process share compilations), and times `warmup()`: the
-compilations per compiled function and the seconds (ratio: to plain's warm-up).
+compilations per compiled function and the seconds (ratio: to plain's warm-up at the first
+--compile_threads value). `--compile_threads=1,0` runs each variant with the buckets compiled
+one after another and side by side (the trainer's --compile_threads; 0 = one thread per bucket
+up to the host's CPUs).
 
   python bench/warmup_cost.py                                   # the GPU GRPO run's config
-  python bench/warmup_cost.py --flag=--prompts_per_step=4 --no_append
+  python bench/warmup_cost.py --flag=--prompts_per_step=4 --compile_threads=1,0 --no_append
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def measure(flags: list[str]) -> dict:
   engine.warmup()
   return dict(seconds=time.perf_counter() - t0, drafter_seconds=drafter_s,
               buckets=list(eng_cfg.buckets),
+              threads=eng_cfg.compile_threads or min(len(eng_cfg.buckets), os.cpu_count() or 1),
               kv_lengths=list(engine.kv_lengths), traces=dict(TRACE_COUNTS))
 
 
@@ -60,6 +64,9 @@ def main(argv=None):
   p.add_argument("--flag", action="append", default=None,
                  help="a trainer flag added to both variants (repeatable; default "
                       "--prompts_per_step=16: the GPU GRPO run's 128 samples)")
+  p.add_argument("--compile_threads", type=_threads, default=[0],
+                 help="comma-separated --compile_threads values, each variant run with each "
+                      "(default 0: the trainer's default)")
   p.add_argument("--worker", help=argparse.SUPPRESS)  # one variant's flags, JSON
   p.add_argument("--note", action="append", default=[])
   p.add_argument("--no_append", action="store_true")
@@ -73,34 +80,51 @@ def main(argv=None):
   extra = args.flag if args.flag is not None else ["--prompts_per_step=16"]
   print(f"[warmup_cost] device: {common.device_description()}", flush=True)
   results = {}
-  for name, spec in VARIANTS.items():
-    flags = [f"--flagfile={flagfile}", *extra, spec]
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(flags)],
-                         capture_output=True, text=True, cwd=REPO, check=False)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-      tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-      raise SystemExit(f"[warmup_cost] {name}: the worker failed (rc {out.returncode}): {tail}")
-    results[name] = json.loads(line[0][len("RESULT "):])
-    r = results[name]
-    print(f"[warmup_cost] {name}: {r['traces'].get('step', 0)} step shapes, "
-          f"{r['seconds']:.1f} s", flush=True)
-  base = results["plain"]
-  rows = [[name, " ".join(map(str, r["buckets"])), " ".join(map(str, r["kv_lengths"])),
-           r["traces"].get("step", 0), sum(r["traces"].values()),
-           f"{r['drafter_seconds']:.1f}", f"{r['seconds']:.1f}",
-           f"{r['seconds'] / base['seconds']:.2f}"] for name, r in results.items()]
-  table = common.markdown_table(["variant", "buckets", "kv lengths", "step shapes compiled",
-                                 "all compilations", "drafter build s", "warm-up s", "ratio"],
-                                rows)
+  for threads in args.compile_threads:
+    for name, spec in VARIANTS.items():
+      flags = [f"--flagfile={flagfile}", *extra, spec, f"--compile_threads={threads}"]
+      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                            json.dumps(flags)], capture_output=True, text=True, cwd=REPO,
+                           check=False)
+      line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+      if out.returncode or not line:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"[warmup_cost] {name}: the worker failed (rc {out.returncode}): "
+                         f"{tail}")
+      results[name, threads] = r = json.loads(line[0][len("RESULT "):])
+      print(f"[warmup_cost] {name}, {r['threads']} compile thread(s): "
+            f"{r['traces'].get('step', 0)} step shapes, {r['seconds']:.1f} s", flush=True)
+  first = args.compile_threads[0]
+  base = results["plain", first]
+  rows = [[name, r["threads"], " ".join(map(str, r["buckets"])),
+           " ".join(map(str, r["kv_lengths"])), r["traces"].get("step", 0),
+           sum(r["traces"].values()), f"{r['drafter_seconds']:.1f}", f"{r['seconds']:.1f}",
+           f"{r['seconds'] / base['seconds']:.2f}",
+           f"{results[name, first]['seconds'] / r['seconds']:.2f}"]
+          for (name, _), r in results.items()]
+  table = common.markdown_table(["variant", "compile threads", "buckets", "kv lengths",
+                                 "step shapes compiled", "all compilations", "drafter build s",
+                                 "warm-up s", "ratio", "speed-up vs first threads"], rows)
   print(table)
   if not args.no_append:
     common.append_results(
         "Engine warm-up per variant (bench/warmup_cost.py)", table,
         [f"trainer engine of {args.flagfile} with {' '.join(extra)}, real weights; each "
          "variant in its own process; warm-up = RolloutEngine.warmup (compiles and times every "
-         "step shape, prefill, slot loading and bucket moves)", *args.note])
+         "step shape, prefill, slot loading and bucket moves); compile threads = buckets "
+         "compiled side by side before the timed pass (rollout/warmup.py); host CPUs: "
+         f"{os.cpu_count()}", *args.note])
   return 0
+
+
+def _threads(text: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 0, comma-separated") from None
+  if not values or min(values) < 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 0, comma-separated")
+  return values
 
 
 if __name__ == "__main__":

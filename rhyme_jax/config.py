@@ -49,7 +49,8 @@ RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "ru
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
                      "run.record_rollouts",
                      "rollout.attention", "rollout.schedule", "rollout.speculate",
-                     "rollout.divide_every", "rollout.park_rows", "distributed")
+                     "rollout.divide_every", "rollout.park_rows", "rollout.compile_threads",
+                     "distributed")
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,7 @@ class RolloutOptions:
   rollout_slots: int  # requests decoded at once (the engine's largest bucket); 0 = all of a step
   divide_every: int  # divided rollout: tokens between a request's offers to yield its slot
   park_rows: int  # divided rollout: device KV rows for requests that yielded (EngineConfig)
+  compile_threads: int  # warm-up compiles the step shapes in this many threads (0: auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +221,9 @@ _FLAGS = {
         ("park_rows", 0, "KV rows (each max_prompt_len + max_new_tokens positions) kept on "
          "the device for requests that yielded their slot (--divide_every); a full pool stops "
          "yields until one resumes."),
+        ("compile_threads", 0, "Threads the rollout engine's warm-up compiles its step shapes "
+         "in, one bucket each (0 = one per bucket, at most the host's CPUs; 1 = one after "
+         "another). Changes how long the first step waits, never what compiles or is sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -377,6 +382,7 @@ def validate(c: Config) -> None:
   _at_least("rollout_slots", r.rollout_slots, 0)
   _at_least("divide_every", r.divide_every, 0)
   _at_least("park_rows", r.park_rows, 0)
+  _at_least("compile_threads", r.compile_threads, 0)
   if r.divide_every and not r.park_rows:
     _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
   if r.divide_every and r.schedule not in ("probe", "residual"):

@@ -77,6 +77,7 @@ def test_quickstart_is_small():
     ("--num_processes=2", "--num_processes=2 --process_id=-1: expected both"),
     ("--process_id=0", "--num_processes=0 --process_id=0: expected both"),
     ("--num_processes=-1", "--num_processes=-1: expected an integer >= 0"),
+    ("--compile_threads=-2", "--compile_threads=-2: expected an integer >= 0"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:

@@ -54,7 +54,7 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       speculate=c.rollout.speculate if drafting else "never",
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
       attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed,
-      divide_every=c.rollout.divide_every,
+      divide_every=c.rollout.divide_every, compile_threads=c.rollout.compile_threads,
       park_rows=c.rollout.park_rows if c.rollout.divide_every else 0)  # no pool unless used
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 
 import jax
 
@@ -18,12 +19,14 @@ from rhyme_jax.rollout import kv_cache, step
 # the same model share compilations. TRACE_COUNTS counts traces (= compilations) per function,
 # for tests and logs.
 TRACE_COUNTS: collections.Counter = collections.Counter()
+_COUNT_LOCK = threading.Lock()
 
 
 def counted(kind, fn):
   @functools.wraps(fn)
   def wrapped(*args, **kw):
-    TRACE_COUNTS[kind] += 1  # runs once per trace
+    with _COUNT_LOCK:  # warm-up traces in several threads
+      TRACE_COUNTS[kind] += 1  # runs once per trace
     return fn(*args, **kw)
   return wrapped
 

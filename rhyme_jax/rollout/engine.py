@@ -31,7 +31,7 @@ from flax import nnx
 
 from rhyme_jax.models.attention import KVCache, resolve_attention
 from rhyme_jax.models.transformer import Transformer
-from rhyme_jax.rollout import accept, compiled, step
+from rhyme_jax.rollout import accept, compiled, step, warmup
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.divided import ParkPool, YieldCost, park, slots_to_yield
@@ -39,7 +39,7 @@ from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
 from rhyme_jax.rollout.live import LiveRequest, tree_depths, validate
-from rhyme_jax.rollout.sampling import SamplingParams, needs_filtering
+from rhyme_jax.rollout.sampling import needs_filtering
 
 
 @dataclasses.dataclass
@@ -58,9 +58,6 @@ class _Step:
   timed: bool = False  # its completion-to-completion time is its shape's cost
   ahead: concurrent.futures.Future | None = None
   ahead_rows: list | None = None
-
-
-_TIMING_REPS = 3  # warm-up timings of each step shape: the fastest of this many calls
 
 
 def _timed(fn, *args):
@@ -145,36 +142,8 @@ class RolloutEngine:
 
   def warmup(self, filters: bool = False) -> None:
     """Compiles every step shape, the prefill, slot loading and bucket moves up front, so a
-    rollout never compiles; times each step shape to seed the cost model."""
-    buckets = sorted(self.config.buckets, reverse=True)
-    dummy = [(0, Request(-1, [0, 0], SamplingParams()))]
-    for bucket in buckets:
-      # Every call as a rollout makes it: on a fresh state and on states that steps returned
-      # (their placement may differ from a fresh one's on a multi-device mesh).
-      state = self._admit(self._new_state(bucket), dummy)
-      # Compiled first (two calls each), then timed: the fastest of _TIMING_REPS calls, as
-      # a first call after other shapes can be several times slower than the step itself.
-      for reps in (0, _TIMING_REPS):
-        for p, t in self.shapes(bucket):
-          for s in self.kv_lengths:
-            trees = accept.pack([None] * bucket, [True] * bucket, p)
-            best = float("inf")
-            for _ in range(reps or 2):
-              t0 = time.perf_counter()
-              state, out = self.verify(state, trees, filters, s, t)
-              jax.block_until_ready(out)
-              best = min(best, time.perf_counter() - t0)
-            if reps:
-              self.costs.observe_time((bucket, p, t, s), best, warmup=True)
-        state = self._admit(state, dummy)
-      if self.config.park_rows:
-        timed = bucket == buckets[0]  # passes of yields' row copies, at the largest bucket
-        cache, cost = self.park_pool().warmup(state.cache, _TIMING_REPS if timed else 0)
-        state = state.replace(cache=cache)
-        if timed:
-          self.yield_cost = cost
-      if bucket != buckets[-1]:
-        self._shrink(state, bucket, list(range(bucket)))
+    rollout never compiles; times each step shape to seed the cost model (`warmup.warm_up`)."""
+    warmup.warm_up(self, filters)
 
   def update_params(self, model_or_params) -> None:
     """Swaps in new weights (same structure); compiled functions are kept."""

@@ -143,6 +143,9 @@ class EngineConfig:
   # `park_rows` device rows (a compile-time size: memory of park_rows x cache_len positions).
   divide_every: int = 0
   park_rows: int = 0
+  # Warm-up compiles the buckets' shapes in this many threads (0: one per bucket, at most the
+  # host's CPUs; 1: one after another). Never changes what compiles, only how long it takes.
+  compile_threads: int = 0
 
   def __post_init__(self):
     if not self.buckets or any(b <= 0 for b in self.buckets):
@@ -163,6 +166,8 @@ class EngineConfig:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTIONS}")
+    if self.compile_threads < 0:
+      raise ValueError(f"compile_threads={self.compile_threads}: must be >= 0")
     if self.divide_every < 0 or self.park_rows < 0:
       raise ValueError(f"divide_every={self.divide_every}, park_rows={self.park_rows}: must be "
                        ">= 0")

@@ -280,12 +280,6 @@ class ResidualPolicy:
                                     queue[i].index))
 
 
-def wants_yield(policy: AdmissionPolicy, queue: Sequence[RequestMeta], running: RequestMeta,
-                finished: Mapping[int, int], live: Mapping[int, int], chunk: int) -> bool:
-  """`rollout.interface.yield_rule` for one running request (the simulator asks this)."""
-  return yield_rule(policy, queue, finished, live, chunk)(running)
-
-
 class EngineOrder:
   """An `AdmissionPolicy` as the rollout engine's `AdmissionOrder` (which speaks `Request`s):
 

@@ -19,10 +19,12 @@ than rows (`SimResult.peak_started` counts them); with `keep_kv=False` the KV is
 instead, and every resumption that is not immediate pays the re-prefill too.
 
 The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` when a slot
-frees, and every `chunk` tokens of a running request (divided rollout) the policy's own
-`should_yield` where it has one, else whether `next_to_admit` offered the queue plus the running
-request picks another, while its shard's queue holds work (as rollout/divided.py asks;
-history_residual yields to a margin more expected remaining work); each such yield stalls its
+frees, and every `chunk` tokens of a running request (divided rollout) whether it gives way:
+the policy's rule (`rollout.interface.yield_rule`: its own `yield_rule` or `should_yield` where
+it has one, else whether `next_to_admit` offered the queue plus the running request picks
+another), made once per step for every request asked in it, and asked only while its shard's
+queue holds more requests than the step left free slots, as rollout/divided.py asks
+(history_residual yields to a margin more expected remaining work); each such yield stalls its
 shard for `DividedRollout.yield_ms` (the engine's two KV row copies), and a step that yields at
 all for `pass_ms` more (the engine copies a pass's rows in one call each way). A static order's
 yield (or one with an empty queue) requeues the request where it balances shards, resuming in
@@ -38,7 +40,8 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from rhyme_jax.scheduling.admission import AdmissionPolicy, RequestMeta, wants_yield
+from rhyme_jax.rollout.interface import yield_rule
+from rhyme_jax.scheduling.admission import AdmissionPolicy, RequestMeta
 from rhyme_jax.scheduling.step_time import StepTimeTable, bucket_for
 
 
@@ -193,7 +196,6 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     spec_steps += budget > 0
     busy += live * dt
     keep, yielded = [], []
-    passed = False
     for j in rows[s]:
       step_tokens = min(advance, j.length - j.progress)
       j.progress += step_tokens
@@ -206,18 +208,26 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         started -= 1
         continue
       live_len[rid] = int(j.progress)
-      give = cfg.divided.should_yield(j.progress - j.since)
-      if give and queues[s] and policies[s].online:  # asked as rollout/divided.py asks
-        give = wants_yield(policies[s], [x.meta for x in queues[s]], j.meta, finished, live_len,
-                           cfg.divided.chunk)
-        if give:  # a real preemption: the slot goes to another, the KV row is parked
-          t[s] += cfg.divided.yield_ms + (0.0 if passed else cfg.divided.pass_ms)
-          passes += not passed
-          passed = True
-          yields += 1
-        else:
-          j.since = j.progress  # offered again after another chunk
-      (yielded if give else keep).append(j)
+      keep.append(j)
+    rule, real = None, 0
+    for j in list(keep):  # divided rollout: asked as rollout/divided.py asks, once per pass
+      if not cfg.divided.should_yield(j.progress - j.since):
+        continue
+      if queues[s] and policies[s].online:
+        if len(queues[s]) <= cfg.slots - len(keep):  # the queue fills the free slots anyway
+          break
+        if rule is None:
+          rule = yield_rule(policies[s], [x.meta for x in queues[s]], finished, live_len,
+                            cfg.divided.chunk)
+        j.since = j.progress  # offered again after another chunk
+        if not rule(j.meta):
+          continue
+        real += 1  # a real preemption: the slot goes to another, the KV row is parked
+      keep.remove(j)  # (a static order's yield, or one with an empty queue, costs nothing)
+      yielded.append(j)
+    if real:
+      t[s] += real * cfg.divided.yield_ms + cfg.divided.pass_ms
+      yields, passes = yields + real, passes + 1
     rows[s] = keep
     for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
       j.yielded_at = shard_steps[s]

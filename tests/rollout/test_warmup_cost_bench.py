@@ -23,6 +23,12 @@ def test_a_bad_trainer_flag_fails_in_one_line_naming_it():
                       "--flag=--group_size=2", "--no_append"])
 
 
+def test_bad_compile_threads_is_one_clear_error(capsys):
+  with pytest.raises(SystemExit):
+    warmup_cost.main(["--compile_threads", "1,x", "--no_append"])
+  assert "--compile_threads: '1,x': expected integers >= 0" in capsys.readouterr().err
+
+
 TINY = ["--flagfile", "configs/quickstart.flags", "--flag=--prompts_per_step=1",
         "--flag=--group_size=2", "--flag=--micro_batch_size=2", "--flag=--max_new_tokens=8",
         "--flag=--overlong_buffer=0", "--flag=--max_prompt_len=16", "--no_append"]
@@ -30,10 +36,11 @@ TINY = ["--flagfile", "configs/quickstart.flags", "--flag=--prompts_per_step=1",
 
 @pytest.mark.slow
 def test_histospec_compiles_more_step_shapes_than_plain(capsys):
-  assert warmup_cost.main(TINY) == 0
+  assert warmup_cost.main(TINY + ["--compile_threads", "1,2"]) == 0
   rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
           for line in capsys.readouterr().out.splitlines() if line.startswith("| ")
           and not line.startswith("| variant") and not line.startswith("|---")}
-  plain, spec = rows["plain"], rows["+HistoSpec"]
-  assert int(plain[3]) == 2 * 2  # buckets (2, 1) x two KV lengths, one plain shape each
-  assert int(spec[3]) > int(plain[3]) and float(spec[5]) > 0
+  plain, spec = rows["plain"], rows["+HistoSpec"]  # the last rows: 2 compile threads
+  assert (plain[1], spec[1]) == ("2", "2")
+  assert int(plain[4]) == 2 * 2  # buckets (2, 1) x two KV lengths, one plain shape each
+  assert int(spec[4]) > int(plain[4]) and float(spec[6]) > 0

@@ -91,6 +91,36 @@ def test_divided_rollout_moves_work_off_a_loaded_shard():
   assert divided.tokens == whole.tokens
 
 
+class _AlwaysYield:
+  """An online order whose rule gives every asked request's slot away; counts the rules made."""
+
+  online = True
+
+  def __init__(self):
+    self.rules = 0
+
+  def order(self, queue):
+    return list(queue)
+
+  def next_to_admit(self, queue, finished, live):
+    return 0
+
+  def yield_rule(self, queue, finished, live, chunk):
+    self.rules += 1
+    return lambda running: True
+
+
+def test_divided_rollout_asks_once_per_step_while_more_wait_than_slots_free():
+  """As rollout/divided.py asks: one rule per step for every request asked in it, and only
+  while the queue holds more requests than slots are free, so with one request waiting each
+  step that yields gives up one slot, not all four that reached their chunk."""
+  policy = _AlwaysYield()
+  res = simulate(_jobs([6] * 5), lambda: policy, FLAT,
+                 SimConfig(slots=4, buckets=(4, 2, 1), divided=DividedRollout(2, yield_ms=0.5)))
+  assert res.yields == res.yield_passes == policy.rules > 0
+  assert res.tokens == 30 and res.makespan_ms == res.steps * 1.0 + 0.5 * res.yields
+
+
 def test_step_time_table_interpolates_and_rejects_bad_input(tmp_path):
   t = StepTimeTable({(1, 0): 2.0, (9, 0): 10.0, (1, 8): 4.0, (9, 8): 20.0})
   assert t.ms(5, 0) == pytest.approx(6.0) and t.ms(5, 4) == pytest.approx(9.0)

@@ -1,0 +1,90 @@
+"""The rollout engine's warm-up: every shape a rollout can use, compiled and timed up front.
+
+A rollout must never compile (static shapes, compiled once), so before the first one the engine
+calls each step function once per (bucket, packed size, tokens per row, cache length), the
+prefill, slot loading, the park pool's copies and each bucket move, and times every step shape
+to seed its cost model (`CostModel.observe_time(..., warmup=True)`).
+
+Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
+and XLA compiles without holding the GIL, so with `EngineConfig.compile_threads` > 1 (by
+default one thread per bucket, up to the host's CPUs) the buckets first compile side by side,
+each on its own state and park pool (`compile_bucket`); the timed pass then runs one call at a
+time on shapes already compiled, so the timings are those of a quiet device. The threads change
+how long warm-up takes, never what compiles (tests/rollout/test_engine.py counts the traces).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+
+import jax
+
+from rhyme_jax.rollout import accept
+from rhyme_jax.rollout.divided import ParkPool
+from rhyme_jax.rollout.interface import Request
+from rhyme_jax.rollout.sampling import SamplingParams
+
+TIMING_REPS = 3  # warm-up timings of each step shape: the fastest of this many calls
+
+_DUMMY = [(0, Request(-1, [0, 0], SamplingParams()))]  # one admission into slot 0
+
+
+def warm_up(engine, filters: bool = False) -> None:
+  """Compiles and times everything `engine` (a `RolloutEngine`) can run; see the module
+  docstring. Sets `engine.yield_cost` when it has park rows."""
+  cfg = engine.config
+  buckets = sorted(cfg.buckets, reverse=True)
+  threads = cfg.compile_threads or min(len(buckets), os.cpu_count() or 1)
+  if threads > 1:
+    with concurrent.futures.ThreadPoolExecutor(threads, "warmup") as pool:
+      for done in [pool.submit(compile_bucket, engine, b, filters) for b in buckets]:
+        done.result()
+  for bucket in buckets:
+    # Every call as a rollout makes it: on a fresh state and on states that steps returned
+    # (their placement may differ from a fresh one's on a multi-device mesh).
+    state = engine._admit(engine._new_state(bucket), _DUMMY)
+    # Compiled first (two calls each), then timed: the fastest of TIMING_REPS calls, as a
+    # first call after other shapes can be several times slower than the step itself.
+    for reps in (0, TIMING_REPS):
+      for p, t in engine.shapes(bucket):
+        for s in engine.kv_lengths:
+          trees = accept.pack([None] * bucket, [True] * bucket, p)
+          best = float("inf")
+          for _ in range(reps or 2):
+            t0 = time.perf_counter()
+            state, out = engine.verify(state, trees, filters, s, t)
+            jax.block_until_ready(out)
+            best = min(best, time.perf_counter() - t0)
+          if reps:
+            engine.costs.observe_time((bucket, p, t, s), best, warmup=True)
+      state = engine._admit(state, _DUMMY)
+    if cfg.park_rows:
+      timed = bucket == buckets[0]  # passes of yields' row copies, at the largest bucket
+      cache, cost = engine.park_pool().warmup(state.cache, TIMING_REPS if timed else 0)
+      state = state.replace(cache=cache)
+      if timed:
+        engine.yield_cost = cost
+    if bucket != buckets[-1]:
+      engine._shrink(state, bucket, list(range(bucket)))
+
+
+def compile_bucket(engine, bucket: int, filters: bool) -> None:
+  """Every call `warm_up` makes for one bucket, untimed, on this bucket's own state and park
+  pool, so that buckets can compile in parallel threads."""
+  cfg = engine.config
+  state = engine._admit(engine._new_state(bucket), _DUMMY)
+  for p, t in engine.shapes(bucket):
+    for s in engine.kv_lengths:
+      trees = accept.pack([None] * bucket, [True] * bucket, p)
+      for _ in range(2):
+        state, _ = engine.verify(state, trees, filters, s, t)
+  state = engine._admit(state, _DUMMY)
+  if cfg.park_rows:
+    pool = ParkPool(engine.model_config, cfg.park_rows, cfg.cache_len, engine._place)
+    cache, _ = pool.warmup(state.cache)
+    state = state.replace(cache=cache)
+  if bucket != min(cfg.buckets):
+    state, _ = engine._shrink(state, bucket, list(range(bucket)))
+  jax.block_until_ready(state)
