@@ -7,8 +7,8 @@ builds the trainer's engine for a flagfile (`rl.rollouts.engine_config`, real we
 each in its own process (engines in one process share compilations), and times `warmup()`: the
 compilations per compiled function and the seconds (ratio: to plain's warm-up at the first
 --compile_threads value). `--compile_threads=1,0` runs each variant with the buckets compiled
-one after another and side by side (the trainer's --compile_threads; 0 = one thread per bucket
-up to the host's CPUs).
+one after another and side by side (the trainer's --compile_threads; 0 = its default: one
+thread per bucket up to the host's CPUs on a CPU, one on an accelerator).
 
   python bench/warmup_cost.py                                   # the GPU GRPO run's config
   python bench/warmup_cost.py --flag=--prompts_per_step=4 --compile_threads=1,0 --no_append
@@ -40,6 +40,7 @@ def measure(flags: list[str]) -> dict:
   from rhyme_jax.rl.rollouts import engine_config
   from rhyme_jax.rollout.compiled import TRACE_COUNTS
   from rhyme_jax.rollout.engine import RolloutEngine
+  from rhyme_jax.rollout.warmup import compile_threads
   config = parse_flags(["--run_dir=/nonexistent/warmup_cost", *flags])
   c = config
   t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def measure(flags: list[str]) -> dict:
   engine.warmup()
   return dict(seconds=time.perf_counter() - t0, drafter_seconds=drafter_s,
               buckets=list(eng_cfg.buckets),
-              threads=eng_cfg.compile_threads or min(len(eng_cfg.buckets), os.cpu_count() or 1),
+              threads=compile_threads(engine),
               kv_lengths=list(engine.kv_lengths), traces=dict(TRACE_COUNTS))
 
 

@@ -222,8 +222,9 @@ _FLAGS = {
          "the device for requests that yielded their slot (--divide_every); a full pool stops "
          "yields until one resumes."),
         ("compile_threads", 0, "Threads the rollout engine's warm-up compiles its step shapes "
-         "in, one bucket each (0 = one per bucket, at most the host's CPUs; 1 = one after "
-         "another). Changes how long the first step waits, never what compiles or is sampled."),
+         "in, one bucket each (0 = one per bucket up to the host's CPUs on CPU, one on a GPU or "
+         "TPU, where XLA's autotuning times kernels while it compiles; 1 = one after another). "
+         "Changes how long the first step waits, never what compiles or is sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),

@@ -143,8 +143,9 @@ class EngineConfig:
   # `park_rows` device rows (a compile-time size: memory of park_rows x cache_len positions).
   divide_every: int = 0
   park_rows: int = 0
-  # Warm-up compiles the buckets' shapes in this many threads (0: one per bucket, at most the
-  # host's CPUs; 1: one after another). Never changes what compiles, only how long it takes.
+  # Warm-up compiles the buckets' shapes in this many threads (warmup.py; 0: one per bucket up
+  # to the host's CPUs on a CPU backend, one on an accelerator; 1: one after another). Never
+  # changes what compiles, only how long it takes.
   compile_threads: int = 0
 
   def __post_init__(self):

@@ -6,11 +6,17 @@ prefill, slot loading, the park pool's copies and each bucket move, and times ev
 to seed its cost model (`CostModel.observe_time(..., warmup=True)`).
 
 Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
-and XLA compiles without holding the GIL, so with `EngineConfig.compile_threads` > 1 (by
-default one thread per bucket, up to the host's CPUs) the buckets first compile side by side,
-each on its own state and park pool (`compile_bucket`); the timed pass then runs one call at a
-time on shapes already compiled, so the timings are those of a quiet device. The threads change
-how long warm-up takes, never what compiles (tests/rollout/test_engine.py counts the traces).
+and XLA compiles without holding the GIL, so with more than one compile thread
+(`compile_threads`) the buckets first compile side by side, each on its own state and park pool
+(`compile_bucket`); the timed pass then runs one call at a time on shapes already compiled, so
+the timings are those of a quiet device. The threads change how long warm-up takes, never what
+compiles (tests/rollout/test_warmup.py counts the traces). On the 2-core CPU this saves 8-15%
+(bench/RESULTS.md, bench/warmup_cost.py: XLA's CPU compile already keeps ~1.4 cores busy).
+
+By default (`EngineConfig.compile_threads` = 0) only a CPU backend compiles in threads: XLA's
+GPU compiler times candidate kernels on the device while it compiles (autotuning), and
+compilations running side by side can disturb each other's timings; that is not measured here
+yet, so on an accelerator threads are opt-in (`--compile_threads`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ def warm_up(engine, filters: bool = False) -> None:
   docstring. Sets `engine.yield_cost` when it has park rows."""
   cfg = engine.config
   buckets = sorted(cfg.buckets, reverse=True)
-  threads = cfg.compile_threads or min(len(buckets), os.cpu_count() or 1)
+  threads = compile_threads(engine)
   if threads > 1:
     with concurrent.futures.ThreadPoolExecutor(threads, "warmup") as pool:
       for done in [pool.submit(compile_bucket, engine, b, filters) for b in buckets]:
@@ -68,6 +74,15 @@ def warm_up(engine, filters: bool = False) -> None:
         engine.yield_cost = cost
     if bucket != buckets[-1]:
       engine._shrink(state, bucket, list(range(bucket)))
+
+
+def compile_threads(engine) -> int:
+  """Threads `warm_up` compiles in: `EngineConfig.compile_threads`, or by default one per
+  bucket up to the host's CPUs on a CPU backend and one on an accelerator (module docstring)."""
+  if engine.config.compile_threads:
+    return engine.config.compile_threads
+  platform = next(iter(engine._leaves[0].devices())).platform
+  return min(len(engine.config.buckets), os.cpu_count() or 1) if platform == "cpu" else 1
 
 
 def compile_bucket(engine, bucket: int, filters: bool) -> None:

@@ -42,3 +42,13 @@ def test_threaded_warmup_compiles_what_a_serial_one_does():
 def test_compile_threads_must_not_be_negative():
   with pytest.raises(ValueError, match=r"compile_threads=-1: must be >= 0"):
     EngineConfig(compile_threads=-1)
+
+
+def test_default_threads_one_per_bucket_on_cpu_else_as_configured(tiny_model):
+  import os
+  from rhyme_jax.rollout.warmup import compile_threads
+  auto = RolloutEngine(tiny_model, EngineConfig(max_len=64, buckets=(8, 4, 2, 1)))
+  assert compile_threads(auto) == min(4, os.cpu_count())  # the tests run on a CPU backend
+  fixed = RolloutEngine(tiny_model, EngineConfig(max_len=64, buckets=(8, 4, 2, 1),
+                                                 compile_threads=3))
+  assert compile_threads(fixed) == 3
