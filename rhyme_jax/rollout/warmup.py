@@ -7,7 +7,7 @@ to seed its cost model (`CostModel.observe_time(..., warmup=True)`).
 
 Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
 and XLA compiles without holding the GIL, so with more than one compile thread
-(`compile_threads`) the buckets first compile side by side, each on its own state and park pool
+(`compile_threads`) the buckets first compile side by side, each on its own state
 (`compile_bucket`); the timed pass then runs one call at a time on shapes already compiled, so
 the timings are those of a quiet device. The threads change how long warm-up takes, never what
 compiles (tests/rollout/test_warmup.py counts the traces). On the 2-core CPU this saves 8-15%
@@ -28,7 +28,6 @@ import time
 import jax
 
 from rhyme_jax.rollout import accept
-from rhyme_jax.rollout.divided import ParkPool
 from rhyme_jax.rollout.interface import Request
 from rhyme_jax.rollout.sampling import SamplingParams
 
@@ -86,8 +85,9 @@ def compile_threads(engine) -> int:
 
 
 def compile_bucket(engine, bucket: int, filters: bool) -> None:
-  """Every call `warm_up` makes for one bucket, untimed, on this bucket's own state and park
-  pool, so that buckets can compile in parallel threads."""
+  """The calls `warm_up` makes for one bucket, untimed, on this bucket's own state, so that
+  buckets can compile in parallel threads. All but the park pool's row copies: they compile in
+  a moment, and a pool per thread would hold park_rows x cache_len more KV per thread."""
   cfg = engine.config
   state = engine._admit(engine._new_state(bucket), _DUMMY)
   for p, t in engine.shapes(bucket):
@@ -96,10 +96,6 @@ def compile_bucket(engine, bucket: int, filters: bool) -> None:
       for _ in range(2):
         state, _ = engine.verify(state, trees, filters, s, t)
   state = engine._admit(state, _DUMMY)
-  if cfg.park_rows:
-    pool = ParkPool(engine.model_config, cfg.park_rows, cfg.cache_len, engine._place)
-    cache, _ = pool.warmup(state.cache)
-    state = state.replace(cache=cache)
   if bucket != min(cfg.buckets):
     state, _ = engine._shrink(state, bucket, list(range(bucket)))
   jax.block_until_ready(state)
