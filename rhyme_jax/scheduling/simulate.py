@@ -12,8 +12,9 @@ Divided rollout (Seer, `chunk` > 0): a request yields its slot after every `chun
 rejoins the queue of the shard with the fewest live + queued requests (its own on ties; ahead
 of requests not yet started, under a static order), and a shard whose queue ran dry takes
 requests from the longest other queue, so work moves off a loaded shard mid-response and the
-tail spreads over shards (smaller buckets each). Resuming on the shard it left costs nothing (its KV stays there);
-resuming elsewhere costs a re-prefill of prompt + generated tokens (no global KV pool here).
+tail spreads over shards (smaller buckets each). Resuming on the shard it left costs nothing
+(its KV stays there); resuming elsewhere costs a re-prefill of prompt + generated tokens (no
+global KV pool here).
 Keeping the KV of a yielded request that another one displaced needs room for more sequences
 than rows (`SimResult.peak_started` counts them); with `keep_kv=False` the KV is dropped
 instead, and every resumption that is not immediate pays the re-prefill too.
@@ -28,8 +29,8 @@ queue holds more requests than the step left free slots, as rollout/divided.py a
 shard for `DividedRollout.yield_ms` (the engine's two KV row copies), and a step that yields at
 all for `pass_ms` more (the engine copies a pass's rows in one call each way). A static order's
 yield (or one with an empty queue) requeues the request where it balances shards, resuming in
-place for free on its own. The `live` map handed to `next_to_admit` also holds the tokens so far of yielded requests still
-queued (what an online policy needs to rank a resumption).
+place for free on its own. The `live` map handed to `next_to_admit` also holds the tokens so
+far of yielded requests still queued (what an online policy needs to rank a resumption).
 """
 
 from __future__ import annotations
