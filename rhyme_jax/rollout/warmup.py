@@ -10,7 +10,7 @@ and XLA compiles without holding the GIL, so with more than one compile thread
 (`compile_threads`) the buckets first compile side by side, each on its own state
 (`compile_bucket`); the timed pass then runs one call at a time on shapes already compiled, so
 the timings are those of a quiet device. The threads change how long warm-up takes, never what
-compiles (tests/rollout/test_warmup.py counts the traces). On the 2-core CPU this saves 8-15%
+compiles (tests/rollout/test_warmup.py counts the traces). On the 2-core CPU this saves 4-15%
 (bench/RESULTS.md, bench/warmup_cost.py: XLA's CPU compile already keeps ~1.4 cores busy).
 
 By default (`EngineConfig.compile_threads` = 0) only a CPU backend compiles in threads: XLA's
