@@ -352,7 +352,8 @@ def main(argv=None) -> None:
   detail, summary, overlap, notes = run(args)
   table = common.markdown_table(
       ["trace", "table", "shards x slots", "chunk", "policy", "makespan s", "tail s", "slot util",
-       "peak started", "yields", "yield passes", "makespan / oracle", "tail / oracle", "tail cut vs fifo"],
+       "peak started", "yields", "yield passes", "makespan / oracle", "tail / oracle",
+       "tail cut vs fifo"],
       detail)
   table += ("\n\nEvery scenario: the history order's makespan (compare plans by it), makespan / "
             "oracle per policy (same trace, plan and step times in a row), tail cut vs FIFO\n\n")

@@ -48,23 +48,13 @@ def warm_up(engine, filters: bool = False) -> None:
         done.result()
   for bucket in buckets:
     # Every call as a rollout makes it: on a fresh state and on states that steps returned
-    # (their placement may differ from a fresh one's on a multi-device mesh).
+    # (their placement may differ from a fresh one's on a multi-device mesh). Compiled first
+    # (two calls each), then timed: the fastest of TIMING_REPS calls, as a first call after
+    # other shapes can be several times slower than the step itself.
     state = engine._admit(engine._new_state(bucket), _DUMMY)
-    # Compiled first (two calls each), then timed: the fastest of TIMING_REPS calls, as a
-    # first call after other shapes can be several times slower than the step itself.
     for reps in (0, TIMING_REPS):
-      for p, t in engine.shapes(bucket):
-        for s in engine.kv_lengths:
-          trees = accept.pack([None] * bucket, [True] * bucket, p)
-          best = float("inf")
-          for _ in range(reps or 2):
-            t0 = time.perf_counter()
-            state, out = engine.verify(state, trees, filters, s, t)
-            jax.block_until_ready(out)
-            best = min(best, time.perf_counter() - t0)
-          if reps:
-            engine.costs.observe_time((bucket, p, t, s), best, warmup=True)
-      state = engine._admit(state, _DUMMY)
+      state = _step_shapes(engine, state, bucket, filters, reps)
+    state = engine._admit(state, _DUMMY)
     if cfg.park_rows:
       timed = bucket == buckets[0]  # passes of yields' row copies, at the largest bucket
       cache, cost = engine.park_pool().warmup(state.cache, TIMING_REPS if timed else 0)
@@ -90,12 +80,26 @@ def compile_bucket(engine, bucket: int, filters: bool) -> None:
   a moment, and a pool per thread would hold park_rows x cache_len more KV per thread."""
   cfg = engine.config
   state = engine._admit(engine._new_state(bucket), _DUMMY)
-  for p, t in engine.shapes(bucket):
-    for s in engine.kv_lengths:
-      trees = accept.pack([None] * bucket, [True] * bucket, p)
-      for _ in range(2):
-        state, _ = engine.verify(state, trees, filters, s, t)
+  state = _step_shapes(engine, state, bucket, filters, reps=0)
   state = engine._admit(state, _DUMMY)
   if bucket != min(cfg.buckets):
     state, _ = engine._shrink(state, bucket, list(range(bucket)))
   jax.block_until_ready(state)
+
+
+def _step_shapes(engine, state, bucket: int, filters: bool, reps: int):
+  """Calls every step shape of `bucket` on `state` (each shape on the state the last call
+  returned): twice untimed with `reps` = 0, else `reps` times, the fastest into the cost
+  model. Returns the last state."""
+  for p, t in engine.shapes(bucket):
+    for s in engine.kv_lengths:
+      trees = accept.pack([None] * bucket, [True] * bucket, p)
+      best = float("inf")
+      for _ in range(reps or 2):
+        t0 = time.perf_counter()
+        state, out = engine.verify(state, trees, filters, s, t)
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t0)
+      if reps:
+        engine.costs.observe_time((bucket, p, t, s), best, warmup=True)
+  return state
