@@ -53,12 +53,16 @@ from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
-# Device time of one yield (two KV row copies), the engine's warm-up in
-# bench/schedule_engine.py: 0.175 ms per copy on 1 x H200 queued as a rollout dispatches them
-# (2026-11-26 at 864108f, after the copies stopped making jnp scalar transfers; the "h100"
-# step table is an H100's), 1.65 ms on the 2-core CPU (2026-11-25, waited for: a CPU runs each
-# copy as it is dispatched).
-YIELD_MS = {"h100": 2 * 0.175, "cpu": 2 * 1.65}
+# Device time of divided rollout's yields (two KV row copies each), per yield and per pass
+# (a step that yields at all: the engine copies a pass's rows in one call each way). A pass of
+# one yield costs 0.35 ms on 1 x H200, the engine's warm-up in bench/schedule_engine.py queued
+# as a rollout dispatches it (2026-11-26 at 864108f; the "h100" step table is an H100's).
+# bench/park_copy.py on 1 x H100 (2026-11-26 at 48de091) split it: a pass of 4 yields cost
+# what a pass of one did (pools of 8 / 64 / 128 rows: 0.37 / 0.24 / 0.21 ms against
+# 0.37 / 0.24 / 0.20), a fitted 0.000-0.004 ms per row; so 0.004 per yield, the rest per pass.
+# The 2-core CPU: 1.65 ms per copy, all per row (bandwidth-bound there, 2026-11-25).
+YIELD_MS = {"h100": 0.004, "cpu": 2 * 1.65}
+YIELD_PASS_MS = {"h100": 2 * 0.175 - 0.004, "cpu": 0.0}
 
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
             "history_residual", "oracle_group", "oracle")
@@ -329,13 +333,13 @@ def main(argv=None) -> None:
                        "step, 64 / 32 for 128 requests)")
   ap.add_argument("--yield_ms", type=_yield_pair,
                   default=dict(YIELD_MS),
-                  help="H,C: ms one divided-rollout yield stalls a shard on the h100 / cpu "
+                  help="H,C: ms each divided-rollout yield stalls a shard on the h100 / cpu "
                        f"tables (default: measured, {YIELD_MS['h100']:g},{YIELD_MS['cpu']:g}); "
-                       "0,0 = free yields")
-  ap.add_argument("--yield_pass_ms", type=_yield_pair, default={"h100": 0.0, "cpu": 0.0},
+                       "0,0 with --yield_pass_ms 0,0 = free yields")
+  ap.add_argument("--yield_pass_ms", type=_yield_pair, default=dict(YIELD_PASS_MS),
                   help="H,C: ms more per step that yields at all (the engine copies a pass's "
-                       "rows in one call each way; default 0,0: every yield costs --yield_ms, "
-                       "as measured one yield per call)")
+                       "rows in one call each way; default: measured, "
+                       f"{YIELD_PASS_MS['h100']:g},{YIELD_PASS_MS['cpu']:g})")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
