@@ -148,6 +148,7 @@ def main(argv=None) -> None:
       rows.append([name, step, m["data/epoch"],
                    f"{m['time/rollout']:.1f}", f"{m['time/rollout_makespan']:.1f}",
                    f"{m['time/rollout_tail']:.1f}", f"{m['rollout/mean_accepted_length']:.2f}",
+                   f"{m['rollout/spec_step_frac']:.0%}", f"{m['rollout/draft_accept_rate']:.0%}",
                    f"{m['response_length/mean']:.1f}", m["rollout/tokens_crc32"]])
     later = h[1:] or h  # steps with a previous epoch to use
     t_all = sum(m["time/rollout"] for m in h)
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
                     all_steps_crc(h)])
   table = common.markdown_table(
       ["variant", "step", "epoch", "rollout s", "makespan s", "tail s", "accepted len",
-       "length", "tokens CRC32"], rows)
+       "spec steps", "drafts taken", "length", "tokens CRC32"], rows)
   table += "\n\n" + common.markdown_table(
       ["variant", "flags", "rollout s, all steps", "steps 2+ (with history)",
        f"ratio to {names[0]}", "tail s, steps 2+", "compiles in rollouts",
@@ -174,6 +175,8 @@ def main(argv=None) -> None:
       "compilations)",
       f"sampled tokens identical across variants: {'yes' if same else 'NO'} (CRC32 per step "
       "and over all steps)",
+      "spec steps = share of decode steps that verified drafts (the cost model sizes each step "
+      "and may draft nothing); drafts taken = accepted / drafted tree nodes",
       f"1-minute load average at the start: {load:.2f} on {os.cpu_count()} cores (a shared "
       "box: wall times carry other jobs' noise)",
   ] + args.note

@@ -14,7 +14,9 @@ match a panel's prefix):
   rollout/mean_accepted_length mean accepted length per verify step
   time/rollout, time/reward, time/logprob, time/train   step-time split (s)
 Also logged: time/draft_ms_per_step and time/lookahead_ms_per_step (host drafting per decode
-step, on the critical path and in the background), rollout/ahead_hit_rate, and
+step, on the critical path and in the background), rollout/ahead_hit_rate,
+rollout/spec_step_frac and rollout/draft_accept_rate (share of decode steps that verified drafts,
+and of drafted nodes accepted), and
 time/rollout_makespan, time/rollout_tail (the rollout's start to its last response, and the
 time its last 10% of responses took: what --schedule acts on).
 

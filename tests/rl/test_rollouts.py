@@ -123,10 +123,11 @@ def test_rollout_metrics():
   samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
              Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
   records = [GroupRecord.of(samples[:1]), GroupRecord.of(samples[1:])]  # two one-sample rows
-  stats = {"tokens": 3, "useful_slot_steps": 2, "steps": 2,
-           "draft_time_s": 0.0, "lookahead_time_s": 0.0, "ahead_hits": 1, "ahead_misses": 3,
-           "time/rollout": 1.5, "time/reward": 0.1}
+  stats = {"tokens": 3, "useful_slot_steps": 2, "steps": 2, "spec_steps": 1, "drafted": 4,
+           "accepted": 1, "draft_time_s": 0.0, "lookahead_time_s": 0.0, "ahead_hits": 1,
+           "ahead_misses": 3, "time/rollout": 1.5, "time/reward": 0.1}
   m = rollout_metrics(records, kept=1, stats=stats, prompts_per_step=1)
+  assert m["rollout/spec_step_frac"] == 0.5 and m["rollout/draft_accept_rate"] == 0.25
   assert m["reward/mean"] == 0.5 and m["accuracy"] == 0.5
   assert m["response_length/max"] == 2 and m["response_length/truncated_frac"] == 0.5
   assert m["rollout/mean_accepted_length"] == 1.5  # 3 tokens in 2 useful slot-steps

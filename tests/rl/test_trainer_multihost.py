@@ -40,7 +40,8 @@ GROUP = 2
 # model sizes each step from measured step times, so they vary between runs (what is
 # sampled does not: rollout/tokens_crc32 is compared).
 TIMING = ("time/", "rollout/tokens_per_s", "rollout/forwards_per_token",
-          "rollout/mean_accepted_length", "rollout/ahead_hit_rate")
+          "rollout/mean_accepted_length", "rollout/ahead_hit_rate", "rollout/spec_step_frac",
+          "rollout/draft_accept_rate")
 
 
 @pytest.fixture(scope="module")
