@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -73,6 +74,9 @@ def parse_args(argv=None):
                  help="residual+divided: tokens between a request's offers to yield its slot")
   p.add_argument("--park_rows", type=int, default=0,
                  help="residual+divided: parked KV rows (0: every request can park)")
+  p.add_argument("--compile_threads", type=int, default=0,
+                 help="warm-up compiles the buckets in this many threads (EngineConfig."
+                      "compile_threads; 0 = its default: threads on a CPU backend only)")
   p.add_argument("--policies", default=",".join(POLICIES), help=f"from {POLICIES}")
   p.add_argument("--repeats", type=int, default=1, help="runs of the policy list; fastest kept")
   p.add_argument("--seed", type=int, default=0)
@@ -118,9 +122,14 @@ def main(argv=None):
   longest = max(len(p) for p in prompt_ids)
   cfg = EngineConfig(max_len=longest + args.max_new_tokens, buckets=buckets_for(args.slots),
                      max_draft=0, speculate="never", eos_ids=tuple(tok.stop_ids),
-                     seed=args.seed, divide_every=args.divide_every, park_rows=park)
+                     seed=args.seed, divide_every=args.divide_every, park_rows=park,
+                     compile_threads=args.compile_threads)
   engine = RolloutEngine(model, cfg)
+  t0 = time.perf_counter()
   engine.warmup()
+  # Printed at once, so a run cut off by a time limit still shows where its time went.
+  print(f"[schedule_engine] warm-up (every step shape and yield copy compiled, then timed) "
+        f"in {time.perf_counter() - t0:.1f} s", flush=True)
   warm = dict(engine.costs.warm)  # warm-up time of every step shape: one cost set for all
   cost = engine.yield_cost  # passes of copies timed at warm-up (queued): fixed + per row
   long_kv = max(cfg.kv_lengths())
