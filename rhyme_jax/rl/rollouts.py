@@ -223,8 +223,8 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   m["rollout/forwards_per_token"] = stats["steps"] / max(stats["tokens"], 1)
   # Whether speculation ran at all, and how well: the share of decode steps that verified
   # drafts (the cost model sizes each step, and may draft nothing), and of drafted nodes taken.
-  m["rollout/spec_step_frac"] = stats.get("spec_steps", 0) / max(stats["steps"], 1)
-  m["rollout/draft_accept_rate"] = stats.get("accepted", 0) / max(stats.get("drafted", 0), 1)
+  m["rollout/spec_step_frac"] = stats["spec_steps"] / max(stats["steps"], 1)
+  m["rollout/draft_accept_rate"] = stats["accepted"] / max(stats["drafted"], 1)
   # Host drafting per decode step: on the critical path, and in the background (overlapped).
   m["time/draft_ms_per_step"] = 1e3 * stats["draft_time_s"] / max(stats["steps"], 1)
   m["time/lookahead_ms_per_step"] = 1e3 * stats["lookahead_time_s"] / max(stats["steps"], 1)
