@@ -92,8 +92,9 @@ def parse_args(argv=None):
   for flag in ("num_prompts", "group_size", "slots", "max_new_tokens", "divide_every", "repeats"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
-  if args.park_rows < 0:
-    p.error(f"--park_rows={args.park_rows}: must be >= 0")
+  for flag in ("park_rows", "compile_threads"):
+    if getattr(args, flag) < 0:
+      p.error(f"--{flag}={getattr(args, flag)}: must be >= 0")
   args.policies = policies
   return args
 
