@@ -24,8 +24,10 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
 Reports per policy: makespan (rollout start to its last response), tail (the time to finish
 the last 10% of responses), slot utilisation (live rows / rows over decode steps), makespan and
 tail against the oracle's, tail cut vs FIFO, yields and the passes that made them (one copy call
-each way per pass), most requests parked at once, and the
-CRC32 of all sampled tokens, equal across policies (the order never changes what is sampled).
+each way per pass), most requests parked at once, host time per decode step outside blocking
+reads and the number of those reads, wall time beyond the modelled step times split by what
+came before each step (`excess_by_event`), and the CRC32 of all sampled tokens, equal across
+policies (the order never changes what is sampled).
 Policies run in the order given, one after another on an idle machine; `--repeats` runs the
 whole list again and keeps each policy's fastest run.
 
@@ -104,6 +106,36 @@ def buckets_for(slots: int) -> tuple[int, ...]:
                       reverse=True))
 
 
+def _kind(k: int, yields: int, prefilled: int, resumed: int) -> str:
+  """What the engine dispatched before a step: "prefill" (new requests, yields or not; the
+  first step too), "yields" (parks or resumes, no prefill) or "plain" (neither)."""
+  return "prefill" if prefilled or k == 0 else "yields" if yields or resumed else "plain"
+
+
+def host_by_event(timeline) -> dict[str, float]:
+  """Mean host seconds from one step's dispatch to the next's, outside blocking reads (the
+  engine loop's own work: reading a step, planning, dispatching), by what came before the
+  step (`_kind`); NaN for a kind that never came."""
+  spent: dict[str, list] = dict(plain=[], prefill=[], yields=[])
+  for k, (_, _, yields, prefilled, resumed, host_s) in enumerate(timeline):
+    spent[_kind(k, yields, prefilled, resumed)].append(host_s)
+  return {kind: float(np.mean(v)) if v else float("nan") for kind, v in spent.items()}
+
+
+def excess_by_event(timeline, warm) -> dict[str, float]:
+  """Wall time beyond the step shapes' warm-up times, summed over steps by what the engine
+  dispatched before each (`EngineStats.timeline`): "prefill" (new requests admitted, yields or
+  not; the first step too), "yields" (requests parked or resumed, no prefill), "plain"
+  (neither). The interval of a step runs from the previous step's outputs on the host to its
+  own."""
+  out = dict(plain=0.0, prefill=0.0, yields=0.0)
+  last = 0.0
+  for k, (ready, shape, yields, prefilled, resumed, _) in enumerate(timeline):
+    out[_kind(k, yields, prefilled, resumed)] += ready - last - warm[shape]
+    last = ready
+  return out
+
+
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -179,7 +211,10 @@ def main(argv=None):
       row = dict(makespan=float(finish.max()), tail=tail_time(finish), modelled=modelled,
                  util=st.slot_utilisation, yields=st.yields, passes=st.yield_passes,
                  parked=st.parked_peak,
-                 steps=st.steps, crc=tokens_crc(results),
+                 steps=st.steps, crc=tokens_crc(results), waits=st.host_waits,
+                 host_ms=1e3 * (st.total_time_s - st.device_time_s) / max(st.steps, 1),
+                 excess=excess_by_event(st.timeline, warm),
+                 pass_ms={k: 1e3 * v for k, v in host_by_event(st.timeline).items()},
                  long_kv=sum(n for shape, n in st.steps_by_shape.items()
                              if shape[-1] == long_kv) / max(st.steps, 1))
       print(f"[schedule_engine] rep {rep} {name:>16}: makespan {row['makespan']:.1f} s, tail "
@@ -202,14 +237,18 @@ def main(argv=None):
                  f"{r['tail'] / max(ref['tail'], 1e-9):.2f}" if ref else "-",
                  f"{100 * (1 - r['tail'] / fifo['tail']):.0f}%" if fifo and fifo["tail"] > 0
                  else "-",
-                 r["yields"], r["passes"], r["parked"], f"{r['crc']:08x}"])
+                 r["yields"], r["passes"], r["parked"], f"{r['host_ms']:.2f}",
+                 f"{r['pass_ms']['plain']:.2f}", f"{r['pass_ms']['yields']:.2f}", r["waits"],
+                 *(f"{r['excess'][k]:.2f}" for k in ("plain", "prefill", "yields")),
+                 f"{r['crc']:08x}"])
   same = len({best[x]["crc"] for x in args.policies}) == 1
   table_md = common.markdown_table(
       ["policy", "makespan s", "tail s", "slot util", "decode steps", "long-kv steps",
        "modelled decode s",
        "modelled / oracle", "makespan / oracle",
        "tail / oracle", "tail cut vs fifo", "yields", "yield passes", "parked peak",
-       "tokens CRC32"], rows)
+       "host ms / step", "host ms / plain pass", "host ms / yield pass", "blocking reads", "excess s: plain steps", "after prefill",
+       "after yields only", "tokens CRC32"], rows)
   print(table_md)
   print(f"sampled tokens identical across policies: {'yes' if same else 'NO'}")
   notes = [f"{args.num_prompts} GSM8K train prompts (from {args.prompt_offset}) x G="
@@ -221,6 +260,13 @@ def main(argv=None):
            f"{park} park rows; the others run undivided",
            "makespan = rollout start to last response; tail = time to finish the last 10%; "
            "slot util = live rows / rows over decode steps",
+           "host ms / step = the rollout's time outside blocking reads of step outputs (the "
+           "engine loop: admission, yields, dispatch, bookkeeping) per decode step; where it "
+           "nears a step's device time the host, not the device, sets the pace; host ms / plain "
+           "pass and / yield pass = the same from one step's dispatch to the next's, averaged "
+           "over passes that dispatched nothing else and over passes that parked or resumed "
+           "requests but prefilled none (nan: none such); blocking reads = reads with no later "
+           "step queued (the device idles meanwhile)",
            "modelled decode s = the policy's decode steps, each at its shape's warm-up time "
            f"(one set of times for every policy, so machine noise between runs drops out), plus "
            f"the yields' KV row copies: {1e3 * cost.fixed:.3f} ms per pass that yields and "
@@ -230,6 +276,14 @@ def main(argv=None):
            f"{1e3 * cost.many:.3f} ms; a pass of one waited for: "
            f"{1e3 * cost.one_waited:.3f} ms); prefill is the same for every policy (each prompt "
            "once: a resumption copies, never prefills)",
+           "excess s = wall time between consecutive steps' outputs beyond the step's warm-up "
+           "time, summed over steps by what the engine dispatched since the step before "
+           "(where the host sets the pace, a pass's host time delays the read of the step "
+           "before it, so it lands in that step's bin): "
+           "nothing but the step (plain steps), new requests' prefill, yields or not (after "
+           "prefill; the first step too), parked or resumed requests and no prefill (after "
+           "yields only): where a policy's wall time goes that the modelled decode time does "
+           "not hold",
            f"long-kv steps = decode steps whose attention read the full cache ({long_kv} "
            f"positions; the XLA path's other bucket is {min(cfg.kv_lengths())}): one row past the "
            "shorter bucket puts the whole step there",

@@ -58,6 +58,9 @@ class _Step:
   timed: bool = False  # its completion-to-completion time is its shape's cost
   ahead: concurrent.futures.Future | None = None
   ahead_rows: list | None = None
+  # since the step before was dispatched: (yields, requests prefilled, requests resumed, host
+  # seconds outside blocking reads)
+  events: tuple = (0, 0, 0, 0.0)
 
 
 def _timed(fn, *args):
@@ -295,6 +298,9 @@ class RolloutEngine:
     # Not timed: a step behind a prefill or a bucket move (their device time lands in its
     # interval), and a plain step that drafts were asked for (then not verified).
     last_ready = None
+    events = [0, 0, 0]  # yields, prefills and resumes dispatched since the last step
+    # host time since the last step's dispatch, less blocking reads: (start, reads so far)
+    host_from = (time.perf_counter(), 0.0)
     untimed = False  # a prefill or bucket move was dispatched since the previous step
 
     def finish(slot: int, lv: LiveRequest, reason: str) -> None:
@@ -319,6 +325,7 @@ class RolloutEngine:
       ready = time.perf_counter()
       stats.device_time_s += ready - tw
       stats.host_waits += blocking
+      stats.timeline.append((ready - t0, st.shape, *st.events))
       if st.timed and last_ready is not None:
         self.costs.observe_time(st.shape, ready - last_ready)
       last_ready = ready
@@ -382,6 +389,7 @@ class RolloutEngine:
         # the queue once that step is read, with its tokens (`process`).
         park(pool, state.cache, slots, marked, queue,
              None if pending is None else landing)
+        events[0] += len(marked)
         stats.yields += len(marked)
         stats.yield_passes += bool(marked)
         untimed = untimed or bool(marked)
@@ -404,6 +412,8 @@ class RolloutEngine:
           slots[i] = lv
           live_len[req.request_id] = len(lv.tokens)
       state = self._admit(state, admits, resumed)
+      events[1] += len(admits) - len(resumed)
+      events[2] += len(resumed)
       untimed = untimed or bool(admits)
       live_idx = [i for i in range(bucket) if slots[i] is not None]
       if pending is None:
@@ -472,10 +482,15 @@ class RolloutEngine:
       live_B = [slots[i] is not None for i in range(bucket)]
       packed = accept.pack(trees, live_B, p)
       state, out = self.verify(state, packed, filters, s, t)
+      now = time.perf_counter()
+      host_s = now - host_from[0] - (stats.device_time_s - host_from[1])
+      host_from = (now, stats.device_time_s)
       shape = (bucket, p, t, s)
       rows = [(i, slots[i], counts[i], depths[i], offered[i], expected[i]) for i in live_idx]
       st = _Step(out, rows, shape, asked=speculate, ask_gain=ask_gain,
-                 timed=(t > 1 or not speculate) and not untimed)
+                 timed=(t > 1 or not speculate) and not untimed,
+                 events=(*events, host_s))
+      events = [0, 0, 0]
       untimed = False
       if wide:
         st.ahead = self._pool.submit(_timed, self.drafter.lookahead, wide)

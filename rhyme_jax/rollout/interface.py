@@ -240,6 +240,11 @@ class EngineStats:
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
   # per step: (bucket, packed P, live, queued)
   trace: list = dataclasses.field(default_factory=list)
+  # per step, in order: (seconds from the call's start to its outputs on the host, its shape,
+  # the yields, requests prefilled and requests resumed dispatched since the step before was,
+  # and the host seconds in between outside blocking reads: reading the step before, planning,
+  # dispatching), to attribute wall time to what the engine did between steps
+  timeline: list = dataclasses.field(default_factory=list)
   admitted: list = dataclasses.field(default_factory=list)  # request ids in admission order
 
   @property

@@ -240,11 +240,12 @@ class ResidualPolicy:
     return max(0.0, math.sqrt(self.yield_cost * n * mean) - chunk)
 
   def remaining(self, meta: RequestMeta, generated: int) -> float:
-    cap = meta.max_new_tokens or (1 << 30)
-    k = (meta.prompt_key, int(generated), cap)
-    if k not in self._cache:
-      self._cache[k] = self.predictor.remaining_tokens(meta.prompt_key, int(generated), cap)
-    return self._cache[k]
+    k = (meta.prompt_key, generated, meta.max_new_tokens)
+    left = self._cache.get(k)
+    if left is None:
+      left = self._cache[k] = self.predictor.remaining_tokens(
+          meta.prompt_key, int(generated), meta.max_new_tokens or (1 << 30))
+    return left
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
     self._cache = {}
@@ -273,11 +274,14 @@ class ResidualPolicy:
     del finished
     if not queue:
       raise IndexError(f"{self.name}.next_to_admit: empty queue")
-    pick = range(len(queue))
-    if self.kv_budget is not None and len(live) >= self.kv_budget:
-      pick = [i for i in pick if queue[i].request_id in live] or pick
-    return min(pick, key=lambda i: (-self.remaining(queue[i], live.get(queue[i].request_id, 0)),
-                                    queue[i].index))
+    # The engine asks once per admission and once per pass that offers yields, over the whole
+    # queue, between two decode steps: one flat pass of tuple keys (a queued request's work
+    # does not change while it waits, so `remaining` is a cache hit after its first ask).
+    remaining, get = self.remaining, live.get
+    started = (self.kv_budget is not None and len(live) >= self.kv_budget and
+               any(m.request_id in live for m in queue))  # at the cap only started ones resume
+    return min([(-remaining(m, get(m.request_id, 0)), m.index, i) for i, m in enumerate(queue)
+                if not started or m.request_id in live])[2]
 
 
 class EngineOrder:

@@ -165,6 +165,13 @@ def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monk
   assert sum(calls) == 2 * st.yields  # every yield's row out and back (none ended in flight)
   assert st.yield_passes < st.yields and len(calls) < 2 * st.yields
   assert max(calls) > 1
+  # The timeline: one entry per step, in order, each with what was dispatched before it;
+  # together they count every yield, every request prefilled once and every resumption.
+  times = [t for t, *_ in st.timeline]
+  assert len(times) == st.steps and times == sorted(times) and times[-1] <= st.total_time_s
+  assert {shape for _, shape, *_ in st.timeline} == set(st.steps_by_shape)
+  yields, prefilled, resumed = (sum(e[k] for e in st.timeline) for k in (2, 3, 4))
+  assert (yields, prefilled, resumed) == (st.yields, len(requests()), st.yields)
   # Warm-up timed passes of one yield and of several; the per-row part is what a yield adds
   # to a pass that already copies.
   cost = eng.yield_cost
