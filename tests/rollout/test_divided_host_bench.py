@@ -1,0 +1,23 @@
+"""bench/divided_host.py's flags: a bad value is one line naming the flag, before any model is
+built."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from bench import divided_host  # noqa: E402
+
+
+@pytest.mark.parametrize("flag", ["--rounds=0", "--divide_every=-3"])
+def test_bad_flag_is_one_line_naming_it(flag, capsys):
+  with pytest.raises(SystemExit):
+    divided_host.parse_args([flag])
+  assert f"{flag}: must be >= 1" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_defaults_parse():
+  args = divided_host.parse_args([])
+  assert args.rounds == 5 and args.divide_every == 16 and not args.no_append
