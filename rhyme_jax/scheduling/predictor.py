@@ -18,6 +18,7 @@ prompt's own past lengths (the empirical residual life E[L - n | L > n]).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Hashable, Iterable, Mapping, Protocol, Sequence
 
@@ -73,6 +74,23 @@ class StoreLengths:
 
   def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
     return list(self.store.epoch_lengths(key))
+
+
+def _suffix_sums(parts: list[np.ndarray]) -> tuple[list[int], list[float]]:
+  """(sorted lengths, sums of each suffix with the empty one last) of the concatenated `parts`,
+  for `_longer_than` in O(log n) (Python lists: bisect on a few hundred lengths beats numpy's
+  call overhead, and the engine asks `remaining_tokens` between decode steps)."""
+  lengths = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+  sums = np.concatenate([np.cumsum(lengths[::-1])[::-1], [0]]).astype(np.float64)
+  return lengths.tolist(), sums.tolist()
+
+
+def _longer_than(table: tuple[list[int], list[float]], n: int) -> tuple[int, float]:
+  """(how many, their sum) of a `_suffix_sums` table's lengths greater than n (integer sums,
+  exact in float64)."""
+  lengths, sums = table
+  at = bisect.bisect_right(lengths, n)
+  return len(lengths) - at, sums[at]
 
 
 def group_stat(lengths: np.ndarray, stat: str) -> float:
@@ -132,12 +150,14 @@ class LengthPredictor:
     self.source, self.stat, self.recency = source, stat, float(recency)
     self.residual_prior = float(residual_prior)
     self._population: dict[int, np.ndarray] | None = None
-    self._all_lengths: np.ndarray | None = None
+    self._all_lengths: tuple[list[int], list[float]] | None = None
+    self._own_lengths: dict[Hashable, tuple[list[int], list[float]]] = {}
 
   def refresh(self) -> None:
     """Forgets the cached populations (call after the history changed)."""
     self._population = None
     self._all_lengths = None
+    self._own_lengths = {}
 
   def _populations(self) -> dict[int, np.ndarray]:
     """Sorted group statistics of every prompt, per epoch."""
@@ -194,18 +214,19 @@ class LengthPredictor:
       return 0.0
     if self._all_lengths is None:
       kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
-      self._all_lengths = np.concatenate(kept).astype(np.float64) if kept else np.zeros(0)
-    every = self._all_lengths[self._all_lengths > generated]
-    own = [l for _, l in self.source.epoch_lengths(key)]
-    own = np.concatenate(own).astype(np.float64) if own else np.zeros(0)
-    own = own[own > generated]
-    if not every.size:
+      self._all_lengths = _suffix_sums(kept)
+    if key not in self._own_lengths:
+      self._own_lengths[key] = _suffix_sums([l for _, l in self.source.epoch_lengths(key)])
+    n_every, sum_every = _longer_than(self._all_lengths, generated)
+    if not n_every:
       return max(room / 2, 1.0)
-    residual = every.mean() - generated  # every prompt's: all there is once it outran its own
-    if own.size:
+    # every prompt's residual life: all there is once the request outran its own lengths
+    residual = sum_every / n_every - generated
+    n_own, sum_own = _longer_than(self._own_lengths[key], generated)
+    if n_own:
       k = self.residual_prior
-      residual = (own.sum() - own.size * generated + k * residual) / (own.size + k)
-    return float(np.clip(residual, 1.0, room))
+      residual = (sum_own - n_own * generated + k * residual) / (n_own + k)
+    return float(min(max(residual, 1.0), room))
 
   def remaining_work(self, live: Mapping[Hashable, tuple[Hashable, int, int]]) -> dict:
     """{request_id: expected remaining tokens} for live requests given as

@@ -134,3 +134,41 @@ def test_bad_arguments_name_themselves():
     LengthPredictor(LengthTable(), recency=0.0)
   with pytest.raises(ValueError, match="negative length"):
     LengthTable().add("a", 0, [3, -1])
+
+
+def test_remaining_tokens_matches_the_direct_formula_and_follows_refresh():
+  """The sorted suffix-sum tables give exactly the direct E[L - n | L > n] shrunk toward every
+  prompt's, on random histories (ties, empty groups, n past every length); the tables are
+  kept until `refresh`, like the rank populations."""
+  rng = np.random.default_rng(3)
+  for _ in range(20):
+    table = LengthTable(epochs_kept=2)
+    for key in range(int(rng.integers(1, 8))):
+      for epoch in range(int(rng.integers(1, 3))):
+        table.add(key, epoch, rng.integers(0, 60, int(rng.integers(0, 9))).tolist())
+    prior = float(rng.choice([0.0, 2.0, 4.0]))
+    pred = LengthPredictor(table, residual_prior=prior)
+    every = np.concatenate([l for k in table.keys() for _, l in table.epoch_lengths(k)])
+    for key in range(9):
+      own = [l for _, l in table.epoch_lengths(key)]
+      own = np.concatenate(own) if own else np.zeros(0, np.int64)
+      for n in range(0, 70, 7):
+        room, beyond, mine = 64 - n, every[every > n], own[own > n]
+        if room <= 0:
+          want = 0.0
+        elif not beyond.size:
+          want = max(room / 2, 1.0)
+        else:
+          want = beyond.mean() - n
+          if mine.size:
+            want = (mine.sum() - mine.size * n + prior * want) / (mine.size + prior)
+          want = min(max(want, 1.0), room)
+        assert pred.remaining_tokens(key, n, 64) == pytest.approx(want, rel=1e-12)
+  table = LengthTable()
+  table.add("a", 0, [10, 20, 30])
+  pred = LengthPredictor(table, residual_prior=0)
+  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)
+  table.add("a", 0, [60])
+  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)  # cached until refresh
+  pred.refresh()
+  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(30.0)
