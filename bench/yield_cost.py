@@ -8,7 +8,8 @@ device work is negligible, so the figure does not depend on the model: 64 yields
 resume, no waits; one per copy call, and in passes of 4 as the engine now copies a pass's
 yields together) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
 loading), the fastest of 5 rounds, each tree in its own process; and one pass of yield checks
-(32 running requests asked with 96 waiting, history_residual).
+(32 running requests asked with 96 waiting, history_residual), and residual-life estimates that
+miss the order's cache (`LengthPredictor.remaining_tokens`).
 
   python bench/yield_cost.py --old /tmp/old_checkout
 """
@@ -64,7 +65,7 @@ def measure(code: str) -> dict:
       jax.block_until_ready(cache)
   return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield[1],
               per_yield_pass_us=1e6 * per_yield[PASS], per_admit_us=1e6 * per_admit,
-              per_check_us=1e6 * check_pass())
+              per_check_us=1e6 * check_pass(), per_miss_us=1e6 * residual_miss())
 
 
 def yields(pool, cache, per_pass: int):
@@ -121,6 +122,28 @@ def check_pass() -> float:
   return best / CHECKS
 
 
+def residual_miss() -> float:
+  """Host seconds per `LengthPredictor.remaining_tokens` call that misses the order's cache (a
+  running request asked at a length not asked before: every yield check of it), 16 prompts x 8
+  kept lengths, each (prompt, length) once; the fastest of ROUNDS fresh predictors."""
+  import numpy as np
+  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  rng = np.random.default_rng(0)
+  table = LengthTable()
+  for k in range(16):
+    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  asks = [(k, n) for n in range(0, 256, 4) for k in range(16)]
+  best = float("inf")
+  for _ in range(ROUNDS):
+    pred = LengthPredictor(table)
+    pred.remaining_tokens(0, 0, 256)  # builds what it keeps across calls, once
+    t0 = time.perf_counter()
+    for k, n in asks:
+      pred.remaining_tokens(k, n, 256)
+    best = min(best, time.perf_counter() - t0)
+  return best / len(asks)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   common.add_checkout_args(p)
@@ -134,12 +157,13 @@ def main(argv=None):
   table = common.markdown_table(
       ["code", "host us per yield (park + resume)", "ratio",
        f"host us per yield, passes of {PASS}", "ratio", "host us per admitted request",
-       "ratio", "host us per yield check", "ratio"],
+       "ratio", "host us per yield check", "ratio", "host us per residual-life miss", "ratio"],
       [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
         f"{r['per_yield_pass_us']:.0f}",
         f"{r['per_yield_pass_us'] / base['per_yield_pass_us']:.2f}",
         f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}",
-        f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}"]
+        f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}",
+        f"{r['per_miss_us']:.1f}", f"{r['per_miss_us'] / base['per_miss_us']:.2f}"]
        for r in rows])
   print(table)
   if not args.no_append:
@@ -154,6 +178,9 @@ def main(argv=None):
                                  f"yield check: one slots_to_yield pass asking {CHECKS} running "
                                  f"requests (all due) with {QUEUED} waiting, history_residual "
                                  "over 16 prompts' history; per request asked",
+                                 "residual-life miss: LengthPredictor.remaining_tokens for "
+                                 "(prompt, tokens so far) pairs not asked before (16 prompts x "
+                                 "8 kept lengths, 64 lengths each), per call",
                                  *args.note])
 
 
