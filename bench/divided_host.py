@@ -90,7 +90,7 @@ def main(argv=None):
       st = engine.stats
       per_pass = host_by_event(st.timeline)
       runs[name].append(dict(
-          step=(st.total_time_s - st.device_time_s) / st.steps, steps=st.steps,
+          step=st.host_s_per_step, steps=st.steps,
           yields=st.yields, passes=st.yield_passes,
           **{f"pass_{kind}": v for kind, v in per_pass.items()}))
   base = float(np.median([r["pass_plain"] for r in runs["oracle"]]))

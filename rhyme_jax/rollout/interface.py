@@ -257,6 +257,12 @@ class EngineStats:
     return self.steps / max(self.tokens, 1)
 
   @property
+  def host_s_per_step(self) -> float:
+    """Seconds per decode step outside blocking reads of step outputs: the engine loop's own
+    work; where it nears a step's device time, the host sets the pace."""
+    return (self.total_time_s - self.device_time_s) / max(self.steps, 1)
+
+  @property
   def slot_utilisation(self) -> float:
     return self.useful_slot_steps / max(self.slot_steps, 1)
 

@@ -154,7 +154,8 @@ class LengthPredictor:
     self._own_lengths: dict[Hashable, tuple[list[int], list[float]]] = {}
 
   def refresh(self) -> None:
-    """Forgets the cached populations (call after the history changed)."""
+    """Forgets the cached populations and residual-life tables (call after the history
+    changed)."""
     self._population = None
     self._all_lengths = None
     self._own_lengths = {}
