@@ -94,7 +94,7 @@ def check_pass() -> float:
   `slots_to_yield` over CHECKS running requests (all due) with QUEUED requests waiting, under
   history_residual (16 prompts of history); the fastest of ROUNDS passes."""
   import numpy as np
-  from rhyme_jax.rollout.divided import slots_to_yield
+  from rhyme_jax.rollout import divided
   from rhyme_jax.rollout.engine import Request
   from rhyme_jax.rollout.live import LiveRequest
   from rhyme_jax.scheduling.admission import EngineOrder, make_policy
@@ -117,7 +117,11 @@ def check_pass() -> float:
     for lv in slots:
       lv.since = 0
     t0 = time.perf_counter()
-    slots_to_yield(slots, queue, order, {}, live, 16, CHECKS + QUEUED)
+    if hasattr(divided, "YieldRules"):  # a fresh rule: the pass's work over the queue
+      divided.slots_to_yield(slots, queue, divided.YieldRules(order, {}, live, 16), 16,
+                             CHECKS + QUEUED)
+    else:  # a checkout from before (--old)
+      divided.slots_to_yield(slots, queue, order, {}, live, 16, CHECKS + QUEUED)
     best = min(best, time.perf_counter() - t0)
   return best / CHECKS
 

@@ -185,15 +185,40 @@ class ParkPool:
     return cache, YieldCost(queued[1], min(waited), many, queued[many])
 
 
-def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: int,
-                   room: int) -> list[int]:
+class YieldRules:
+  """The admission order's yield rule (`interface.yield_rule`) for the engine's passes.
+
+  Built when a pass first asks. An order with `stable_rule` (history_residual) keeps its rule
+  across passes until the engine reports a change (`changed`: a request queued, admitted or
+  finished), since nothing else it reads moves: most passes only advance running requests,
+  whose counts the rule reads from the engine's live map when asked. Those passes then skip
+  the order's work over the whole queue. Other orders get a new rule every pass."""
+
+  def __init__(self, admission, finished: dict, live: dict, every: int):
+    self._args = (admission, finished, live, every)
+    self._keep = bool(getattr(admission, "stable_rule", False))
+    self._rule = None
+    self.built = 0  # rules built (tests and benches count them)
+
+  def changed(self) -> None:
+    self._rule = None
+
+  def get(self, queue) -> Callable[[Any], bool]:
+    if self._rule is None or not self._keep:
+      admission, finished, live, every = self._args
+      self._rule = yield_rule(admission, queue, finished, live, every)
+      self.built += 1
+    return self._rule
+
+
+def slots_to_yield(slots, queue, rules: YieldRules, every: int, room: int) -> list[int]:
   """Slots whose request should give way to a queued one, at most `room` (free pool rows).
 
   A request is asked once per `every` tokens it generates in a slot (`LiveRequest.since` marks
   the last time). The order decides for all requests asked in one pass, the queue standing
-  (`interface.yield_rule`: an order with its own `yield_rule` finds its queued pick once, not
-  once per running request). Only while more requests wait than slots free up, so a yield
-  never leaves a slot empty for lack of work.
+  (`rules`: an order with its own `yield_rule` finds its queued pick once per rule, not once
+  per running request). Only while more requests wait than slots free up, so a yield never
+  leaves a slot empty for lack of work.
   """
   out: list[int] = []
   free = sum(lv is None for lv in slots)
@@ -205,7 +230,7 @@ def slots_to_yield(slots, queue, admission, finished: dict, live: dict, every: i
       continue
     lv.since = len(lv.tokens)
     if rule is None:
-      rule = yield_rule(admission, queue, finished, live, every)
+      rule = rules.get(queue)
     if rule(lv.req):
       out.append(i)
   return out

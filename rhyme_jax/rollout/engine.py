@@ -34,7 +34,7 @@ from rhyme_jax.models.transformer import Transformer
 from rhyme_jax.rollout import accept, compiled, step, warmup
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
-from rhyme_jax.rollout.divided import ParkPool, YieldCost, park, slots_to_yield
+from rhyme_jax.rollout.divided import ParkPool, YieldCost, YieldRules, park, slots_to_yield
 from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
@@ -272,6 +272,10 @@ class RolloutEngine:
                          "valid requests")
       queue = opening
     finished_len: dict[int, int] = {}  # request id -> response length, for online orders
+    # request id -> tokens so far of each started, unfinished request (running or parked), kept
+    # in place as steps are read, for online orders
+    live_len: dict[int, int] = {}
+    tracking = admission is not None
     group_left = collections.Counter(r.group_id for r in queue)  # live + queued per group
     filters = needs_filtering([r.params for r in queue])
     bucket = self.bucket_for(len(queue))
@@ -286,6 +290,7 @@ class RolloutEngine:
     # slot wait in the park pool, KV row and record.
     dividing = cfg.divide_every > 0 and getattr(admission, "online", False)
     pool = self.park_pool() if dividing else None
+    rules = YieldRules(admission, finished_len, live_len, cfg.divide_every) if dividing else None
     if pool is not None:
       pool.reset()
       if self.yield_steps is not None and hasattr(admission, "set_yield_cost"):
@@ -307,6 +312,9 @@ class RolloutEngine:
       results[id(lv.req)] = lv.result(reason, time.perf_counter() - t0)
       lv.done = True
       finished_len[lv.req.request_id] = len(lv.tokens)
+      live_len.pop(lv.req.request_id, None)
+      if rules is not None:
+        rules.changed()
       if slots[slot] is lv:  # a request parked in flight no longer holds its slot
         slots[slot] = None
       self.costs.forget(lv.req.request_id)
@@ -360,6 +368,8 @@ class RolloutEngine:
           if reason:
             break
         stats.tokens += len(new)
+        if tracking:
+          live_len[lv.req.request_id] = len(lv.tokens)
         if self.drafter is not None:
           self.drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(new, np.int32),
                                drafted, emitted - 1)
@@ -375,16 +385,15 @@ class RolloutEngine:
           pool.drop(lv.req.request_id)
         else:
           queue.append(lv.req)
+          rules.changed()
       landing.clear()
 
     while queue or any(slots) or pending is not None:
       admits = []
-      parked = pool.records() if pool is not None else []
-      live_len = ({lv.req.request_id: len(lv.tokens) for lv in slots + parked if lv is not None}
-                  if admission is not None and queue else {})
       if dividing and queue:  # divided rollout: rows give way to queued requests
-        marked = slots_to_yield(slots, queue, admission, finished_len, live_len,
-                                cfg.divide_every, pool.free_rows())
+        marked = slots_to_yield(slots, queue, rules, cfg.divide_every, pool.free_rows())
+        if marked:
+          rules.changed()
         # Parked behind the step in flight (the device copies their KV after it); they rejoin
         # the queue once that step is read, with its tokens (`process`).
         park(pool, state.cache, slots, marked, queue,
@@ -401,6 +410,8 @@ class RolloutEngine:
             raise ValueError(f"generate: admission.next_to_admit returned {k} for a queue of "
                              f"{len(queue)}")
           req = queue.pop(k)
+          if rules is not None:
+            rules.changed()
           admits.append((i, req))
           lv = pool.record(req.request_id) if pool is not None else None
           if lv is None:
@@ -410,7 +421,8 @@ class RolloutEngine:
             resumed[req.request_id] = lv.tokens
             lv.since = len(lv.tokens)
           slots[i] = lv
-          live_len[req.request_id] = len(lv.tokens)
+          if tracking:
+            live_len[req.request_id] = len(lv.tokens)
       state = self._admit(state, admits, resumed)
       events[1] += len(admits) - len(resumed)
       events[2] += len(resumed)
@@ -508,5 +520,6 @@ class RolloutEngine:
       pending = st
     stats.total_time_s = time.perf_counter() - t0
     stats.parked_peak = pool.peak if pool is not None else 0
+    stats.yield_rules = rules.built if rules is not None else 0
     return [results[k] for k in order]
 

@@ -45,6 +45,12 @@ class AdmissionOrder(Protocol):
   expected remaining work, as history_residual does), and `yield_rule(queue, finished, live,
   chunk)` returning that decision for every running request of one pass (the queue unchanged),
   so its work over the queue is done once per pass. Orders without `online` are static.
+
+  An online order whose rule reads nothing that changes while the queue, `finished` and the
+  number of live requests stay as they are (a running request's count it reads from `live`
+  when asked) may set `stable_rule = True`: the engine then keeps one rule across passes
+  until a request is queued, admitted or finishes (`divided.YieldRules`), instead of
+  rebuilding it every pass. `live` is then the engine's own map, updated in place.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...
@@ -236,6 +242,7 @@ class EngineStats:
   yields: int = 0  # slots given up by running requests (divided rollout)
   yield_passes: int = 0  # engine passes that parked at least one (one copy call each)
   parked_peak: int = 0  # most yielded requests waiting at once (their KV in park rows)
+  yield_rules: int = 0  # yield rules the admission order built (divided.YieldRules)
   total_time_s: float = 0.0
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
   # per step: (bucket, packed P, live, queued)

@@ -217,6 +217,9 @@ class ResidualPolicy:
 
   online = True
   name = "history_residual"
+  # Its yield rule reads the queue, len(live) and queued requests' counts, none of which move
+  # while only running requests advance: the engine may keep it across passes.
+  stable_rule = True
 
   def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None,
                yield_cost: float = 0.0):
@@ -303,6 +306,11 @@ class EngineOrder:
   def online(self) -> bool:
     """Whether the engine may ask about running requests (divided rollout)."""
     return self.policy.online
+
+  @property
+  def stable_rule(self) -> bool:
+    """Whether the engine may keep the yield rule across passes (`interface.AdmissionOrder`)."""
+    return bool(getattr(self.policy, "stable_rule", False))
 
   def set_yield_cost(self, steps: float) -> None:
     """Hands the engine's measured cost of a yield (decode steps) to a policy that weighs it."""

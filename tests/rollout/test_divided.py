@@ -109,6 +109,47 @@ def test_history_residual_divides_with_a_real_predictor(tiny_model):
   assert 0 < eng.yield_seconds_waited < float("inf")
 
 
+class _Rebuilt(EngineOrder):
+  """history_residual without `stable_rule`: the engine builds its yield rule every pass."""
+
+  stable_rule = False
+
+
+def test_a_kept_yield_rule_decides_as_one_rebuilt_every_pass(tiny_model):
+  """history_residual's yield rule is kept across passes until a request is queued, admitted
+  or finishes (divided.YieldRules): the same yields, admissions and steps as building it every
+  pass, with fewer rules built. The live map it reads holds the started, unfinished requests
+  only, each at no more tokens than it ends with."""
+  rng = np.random.default_rng(3)
+  table = LengthTable()
+  for g in range(4):
+    table.add(g, 0, rng.integers(2, 25, 4).tolist())
+  reqs = [dataclasses.replace(r, prompt_key=r.group_id) for r in requests()]
+  eng = engine(tiny_model, divide_every=3, park_rows=4)
+  seen = []
+
+  class Watched(EngineOrder):
+    def next_to_admit(self, queue, finished, live):
+      seen.append((dict(finished), dict(live)))
+      return super().next_to_admit(queue, finished, live)
+
+  runs = {}
+  for name, cls in (("kept", Watched), ("rebuilt", _Rebuilt)):
+    policy = make_policy("history_residual", predictor=LengthPredictor(table))
+    out = eng.generate(reqs, admission=cls(policy))
+    st = eng.stats
+    runs[name] = (out, st.yields, st.steps, list(st.admitted),
+                  [e[2:5] for e in st.timeline], st.yield_rules)
+  (kept, *k_rest, k_rules), (rebuilt, *r_rest, r_rules) = runs["kept"], runs["rebuilt"]
+  _same(rebuilt, kept)
+  assert k_rest == r_rest and k_rest[0] > 0  # same yields, steps, admissions and timeline
+  assert 0 < k_rules < r_rules
+  final = {r.request_id: len(r.tokens) for r in kept}
+  for finished, live in seen:
+    assert not set(finished) & set(live)
+    assert all(0 <= n <= final[i] for i, n in live.items())
+
+
 def test_divide_every_needs_park_rows():
   with pytest.raises(ValueError, match="park_rows"):
     EngineConfig(divide_every=8)

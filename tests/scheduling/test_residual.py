@@ -145,7 +145,7 @@ def test_yields_stall_the_shard_in_the_simulator():
 def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
   """rollout/divided.slots_to_yield asks the order once per pass (`yield_rule`): the same
   decisions as asking `should_yield` per running request, with one scan of the queue."""
-  from rhyme_jax.rollout.divided import slots_to_yield
+  from rhyme_jax.rollout.divided import YieldRules, slots_to_yield
   from rhyme_jax.rollout.interface import Request
   from rhyme_jax.rollout.live import LiveRequest
   from rhyme_jax.scheduling.admission import EngineOrder
@@ -168,7 +168,7 @@ def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
   scans = []
   pol.next_to_admit = (lambda q, f, lv, _scan=pol.next_to_admit:
                        scans.append(len(q)) or _scan(q, f, lv))
-  got = slots_to_yield(slots, queue, order, {}, live, every=8, room=len(queue))
+  got = slots_to_yield(slots, queue, YieldRules(order, {}, live, 8), every=8, room=len(queue))
   assert got == want and 0 < len(got) < len(running)  # some yield, not all
   assert scans == [len(queue)]  # one scan of the queue for the whole pass
 
