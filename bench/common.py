@@ -86,16 +86,16 @@ def add_checkout_args(parser) -> None:
 
 
 def per_checkout(script: str, args, measure: Callable[[str], object],
-                 here: str) -> list | None:
+                 here: str, argv: Sequence[str] = ()) -> list | None:
   """With --worker CODE: prints measure(CODE) as JSON and returns None (the caller stops).
-  Else runs `script --worker CODE` for --old (if given) and `here`, each in its own process so
-  each imports its own rhyme_jax, and returns what each printed."""
+  Else runs `script --worker CODE *argv` for --old (if given) and `here`, each in its own
+  process so each imports its own rhyme_jax, and returns what each printed."""
   if args.worker:
     print(json.dumps(measure(args.worker)))
     return None
   out = []
   for code in ([args.old] if args.old else []) + [here]:
-    res = subprocess.run([sys.executable, script, "--worker", code], capture_output=True,
-                         text=True, check=True)
+    res = subprocess.run([sys.executable, script, "--worker", code, *argv],
+                         capture_output=True, text=True, check=True)
     out.append(json.loads(res.stdout.strip().splitlines()[-1]))
   return out

@@ -7,16 +7,22 @@ that no step count shows. This bench isolates that host work: a tiny random mode
 negligible) runs 128 requests (16 prompts x G = 8) through 32 slots, once per policy, and the
 engine's timeline (`EngineStats.timeline`) gives the host time from one step's dispatch to the
 next's outside blocking reads, averaged by what the pass dispatched: nothing but the step
-(plain), parks or resumes and no prefill (yield), new requests' prefill (prefill).
+(plain), parks or resumes and no prefill (yield), new requests' prefill (prefill). Beside it,
+the Python thread's own CPU time per step (`time.thread_time`), which waiting for a core while
+XLA's threads run a step does not inflate: the steadier figure on a 2-core machine.
 
   fifo              data order, undivided
   oracle            true lengths, longest first, undivided (no per-pass order work)
   residual+divided  longest expected remaining work first, asked every `--divide_every`
                     tokens whether to yield (what schedule_engine's GPU runs time)
 
-Each policy runs `--rounds` times, interleaved; the table keeps each one's median.
+Each policy runs `--rounds` times, interleaved; the table keeps each one's median. The order
+weighs a yield at `--yield_steps` decode steps (not this process's warm-up timing), so the
+same yields happen in every process and a checkout (`--old`, in its own process) makes the
+same decisions as this tree where it has the same order.
 
   python bench/divided_host.py
+  python bench/divided_host.py --old /tmp/old_checkout
 """
 
 from __future__ import annotations
@@ -25,18 +31,13 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import common  # noqa: E402
-from bench.schedule_engine import host_by_event  # noqa: E402
-from rhyme_jax.models.config import ModelConfig  # noqa: E402
-from rhyme_jax.models.transformer import init_model  # noqa: E402
-from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
-from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
-from rhyme_jax.scheduling.admission import EngineOrder, make_policy  # noqa: E402
-from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
 
 PROMPTS, GROUP, SLOTS, MAX_NEW = 16, 8, 32, 256
 POLICIES = ("fifo", "oracle", "residual+divided")
@@ -44,19 +45,33 @@ POLICIES = ("fifo", "oracle", "residual+divided")
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  common.add_checkout_args(p)
   p.add_argument("--rounds", type=int, default=5, help="runs per policy (median kept)")
   p.add_argument("--divide_every", type=int, default=16)
+  p.add_argument("--yield_steps", type=float, default=0.08,
+                 help="a yield's cost in decode steps, as the order weighs it (the H100's "
+                      "warm-up timed 0.065-0.099)")
   p.add_argument("--no_append", action="store_true")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
   for flag in ("rounds", "divide_every"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
+  if not args.yield_steps >= 0:
+    p.error(f"--yield_steps={args.yield_steps}: must be >= 0")
   return args
 
 
-def main(argv=None):
-  args = parse_args(argv)
+def measure(code: str, args) -> list[dict]:
+  """Medians per policy, with the rhyme_jax of checkout `code`."""
+  sys.path.insert(0, code)
+  from bench.schedule_engine import host_by_event
+  from rhyme_jax.models.config import ModelConfig
+  from rhyme_jax.models.transformer import init_model
+  from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+  from rhyme_jax.rollout.sampling import SamplingParams
+  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
   # vocab 192 with EOS one of it: at T=1 responses run ~190 tokens, as SmolLM2's GSM8K ones do
   model = init_model(ModelConfig(vocab_size=192, hidden_size=32, intermediate_size=64,
                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8), seed=1)
@@ -65,6 +80,9 @@ def main(argv=None):
                      park_rows=PROMPTS * GROUP, seed=0)
   engine = RolloutEngine(model, cfg)
   engine.warmup()
+  # The yield cost the order weighs (engine.yield_steps = one / a plain largest-bucket step)
+  plain = engine.costs.warm[(SLOTS, SLOTS, 1, engine.kv_lengths[-1])]
+  engine.yield_cost = dataclasses.replace(engine.yield_cost, one=args.yield_steps * plain)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 192, 40).tolist() for _ in range(PROMPTS)]
   params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
@@ -86,25 +104,43 @@ def main(argv=None):
                 make_policy("history_residual", predictor=LengthPredictor(table)))
       divided = name.endswith("+divided")
       engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
+      cpu = time.thread_time()
       engine.generate(requests(1), admission=EngineOrder(policy))
+      cpu = time.thread_time() - cpu
       st = engine.stats
       per_pass = host_by_event(st.timeline)
       runs[name].append(dict(
-          step=st.host_s_per_step, steps=st.steps,
-          yields=st.yields, passes=st.yield_passes,
+          step=(st.total_time_s - st.device_time_s) / st.steps, cpu=cpu / st.steps,
+          steps=st.steps, yields=st.yields, passes=st.yield_passes,
           **{f"pass_{kind}": v for kind, v in per_pass.items()}))
-  base = float(np.median([r["pass_plain"] for r in runs["oracle"]]))
+  return [dict(policy=name, **{k: float(np.median([r[k] for r in runs[name]]))
+                               for k in runs[name][0]}) for name in POLICIES]
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  worker_argv = [f"--rounds={args.rounds}", f"--divide_every={args.divide_every}",
+                 f"--yield_steps={args.yield_steps}"]
+  out = common.per_checkout(__file__, args, lambda code: measure(code, args), HERE,
+                            worker_argv)
+  if out is None:
+    return
+  codes = ([args.old] if args.old else []) + ["this tree"]
   rows = []
-  for name in POLICIES:
-    med = {k: float(np.median([r[k] for r in runs[name]])) for k in runs[name][0]}
-    rows.append([name, f"{med['steps']:.0f}", f"{med['yields']:.0f}", f"{med['passes']:.0f}",
-                 f"{1e6 * med['step']:.0f}", f"{1e6 * med['pass_plain']:.0f}",
-                 f"{med['pass_plain'] / base:.2f}", f"{1e6 * med['pass_yields']:.0f}"
-                 if med["passes"] else "-", f"{1e6 * med['pass_prefill']:.0f}"])
+  for code, meds in zip(codes, out):
+    base = {m["policy"]: m for m in meds}["oracle"]
+    for med in meds:
+      rows.append([code, med["policy"], f"{med['steps']:.0f}", f"{med['yields']:.0f}",
+                   f"{med['passes']:.0f}", f"{1e6 * med['step']:.0f}",
+                   f"{1e6 * med['cpu']:.0f}", f"{med['cpu'] / base['cpu']:.2f}",
+                   f"{1e6 * med['pass_plain']:.0f}",
+                   f"{med['pass_plain'] / base['pass_plain']:.2f}",
+                   f"{1e6 * med['pass_yields']:.0f}" if med["passes"] else "-",
+                   f"{1e6 * med['pass_prefill']:.0f}"])
   table_md = common.markdown_table(
-      ["policy", "decode steps", "yields", "yield passes", "host us / step",
-       "host us / plain pass", "plain pass / oracle's", "host us / yield pass",
-       "host us / prefill pass"], rows)
+      ["code", "policy", "decode steps", "yields", "yield passes", "host us / step",
+       "host CPU us / step", "CPU / oracle's", "host us / plain pass", "plain pass / oracle's",
+       "host us / yield pass", "host us / prefill pass"], rows)
   print(table_md)
   if not args.no_append:
     common.append_results(
@@ -113,13 +149,16 @@ def main(argv=None):
         [f"tiny random model (host work only; vocab 192, 2 layers, EOS one token of 192), "
          f"{PROMPTS} prompts x G={GROUP} = {PROMPTS * GROUP} requests of 40 tokens, {SLOTS} "
          f"slots, up to {MAX_NEW} new tokens at T=1; epoch 0 in data order gives the history "
-         f"and the oracle's lengths; median of {args.rounds} interleaved runs per policy",
-         "host us / step = rollout time outside blocking reads per decode step; per pass = the "
-         "same from one step's dispatch to the next's (EngineStats.timeline), averaged over "
+         f"and the oracle's lengths; median of {args.rounds} interleaved runs per policy, each "
+         "code in its own process",
+         "host us / step = rollout time outside blocking reads per decode step; host CPU us / "
+         "step = the Python thread's CPU time (time.thread_time) per decode step, which "
+         "waiting for a core while XLA's threads run a step does not inflate; per pass = host "
+         "time from one step's dispatch to the next's (EngineStats.timeline), averaged over "
          "passes that dispatched nothing else (plain), parks or resumes and no prefill (yield), "
          "new requests' prefill (prefill)",
-         f"residual+divided: asked every {args.divide_every} tokens; the yield cost the order "
-         "weighs is this process's warm-up timing, so yields vary between processes",
+         f"residual+divided: asked every {args.divide_every} tokens, a yield weighed at "
+         f"{args.yield_steps} decode steps (fixed, so every process makes the same yields)",
          *args.note])
 
 

@@ -84,10 +84,9 @@ def parse_args(argv=None):
 def load_rows(engine: RolloutEngine, bucket: int, lengths_B: np.ndarray):
   """A decode state of `bucket` live slots at the given committed lengths (cache left zero)."""
   state = engine._new_state(bucket)
-  ones = np.ones(bucket, np.float32)
-  return compiled.load_slots_jit(
-      state, np.ones(bucket, bool), lengths_B.astype(np.int32), np.full(bucket, 5, np.int32),
-      np.arange(bucket, dtype=np.int32), ones, ones, np.zeros(bucket, np.int32))
+  ints_5xB = np.stack([np.ones(bucket), lengths_B, np.full(bucket, 5), np.arange(bucket),
+                       np.zeros(bucket)]).astype(np.int32)  # new, length, root, request, top-k
+  return compiled.load_slots_jit(state, ints_5xB, np.ones((2, bucket), np.float32))
 
 
 def time_steps(engine, bucket, lengths_B, nodes, reps):

@@ -72,7 +72,8 @@ def measure(code: str, batch: int, cache: int, nodes: int, budgets: list[int]) -
       trees = [(jnp.zeros(per_row, jnp.int32), jnp.arange(per_row, dtype=jnp.int32) - 1)] * batch
       packed = accept.pack([(jax.device_get(a), jax.device_get(b)) for a, b in trees],
                            [True] * batch, batch * (1 + per_row))
-      low = e._verify_fn.lower(e._leaves, state, packed, seed, filters=False,
+      low = e._verify_fn.lower(e._leaves, state, packed.wire() if hasattr(packed, "wire")
+                               else packed, seed, filters=False,
                                max_kv_len=cache, max_q_len=1 if per_row == 0 else t)
       out.append({"code": "after", "step": label, "positions": batch * (1 + per_row),
                   **cost(low)})

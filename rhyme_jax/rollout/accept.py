@@ -41,6 +41,22 @@ class PackedTrees(NamedTuple):
   def drafted_B(self) -> np.ndarray:
     return np.maximum(self.q_len_B - 1, 0)
 
+  def wire(self) -> np.ndarray:
+    """The six arrays as one int32 array of (3 + WORDS) P + 2 B entries (ancestor bits bit-cast),
+    so a step's inputs cross to the device in one transfer rather than six (`from_wire`)."""
+    return np.concatenate([self.tokens_P, self.parent_P, self.depth_P,
+                           self.mask_PxW.reshape(-1).view(np.int32), self.q_start_B,
+                           self.q_len_B])
+
+  @classmethod
+  def from_wire(cls, wire_N: jax.Array, b: int) -> "PackedTrees":
+    """The trees of `wire` for B rows (inside the jitted step: static slices, one bit-cast)."""
+    p = (wire_N.shape[0] - 2 * b) // (3 + WORDS)
+    part = lambda k, n: wire_N[k:k + n]
+    mask_PxW = jax.lax.bitcast_convert_type(part(3 * p, WORDS * p), jnp.uint32).reshape(p, WORDS)
+    return cls(part(0, p), part(p, p), part(2 * p, p), mask_PxW,
+               part((3 + WORDS) * p, b), part((3 + WORDS) * p + b, b))
+
 
 def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence[bool],
          p: int) -> PackedTrees:
@@ -60,13 +76,9 @@ def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence
   parent = np.arange(p, dtype=np.int32)
   depth = np.zeros(p, np.int32)
   mask = np.zeros((p, WORDS), np.uint32)
-  for r in range(b):
-    if not q_len[r]:
-      continue
+  mask[q_start[q_len > 0], 0] = 1  # every live row's root (a plain step packs nothing else)
+  for r in np.flatnonzero(q_len > 1):  # rows with draft nodes
     s = int(q_start[r])
-    mask[s, 0] = 1
-    if trees[r] is None or not len(trees[r][0]):
-      continue
     toks, pars = trees[r]
     n = len(toks)
     tokens[s + 1:s + 1 + n] = toks

@@ -12,7 +12,7 @@ import threading
 
 import jax
 
-from rhyme_jax.rollout import kv_cache, step
+from rhyme_jax.rollout import accept, kv_cache, step
 
 
 # Compiled once per process, model structure and shape (`_model_fns` below), so engines over
@@ -33,20 +33,23 @@ def counted(kind, fn):
 
 @functools.lru_cache(maxsize=16)
 def model_fns(graphdef, treedef):
-  """Verify and prefill jitted for one model structure, taking the params as a flat list.
+  """Verify and prefill jitted for one model structure, taking the params as a flat list
+  (verify takes its packed trees as `PackedTrees.wire()`, prefill one (slot, start, chunk...)
+  array).
 
   Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
   Engines over the same structure share these functions and their compilations.
   """
-  def verify(leaves, state, trees, seed, *, filters, max_kv_len, max_q_len, attention_impl):
+  def verify(leaves, state, wire_N, seed, *, filters, max_kv_len, max_q_len, attention_impl):
+    trees = accept.PackedTrees.from_wire(wire_N, state.batch)  # one transfer, not six
     return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
                             filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len,
                             attention_impl=attention_impl)
 
-  def prefill(leaves, cache, slot, chunk, start):
-    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, slot,
-                              chunk, start)
+  def prefill(leaves, cache, args_N):  # (slot, start, chunk tokens): one transfer, not three
+    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, args_N[0],
+                              args_N[2:], args_N[1])
 
   return (jax.jit(counted("step", verify),
                   static_argnames=("filters", "max_kv_len", "max_q_len",

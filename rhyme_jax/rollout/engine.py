@@ -158,8 +158,9 @@ class RolloutEngine:
 
   def verify(self, state: step.DecodeState, trees: accept.PackedTrees, filters: bool,
              max_kv_len: int, max_q_len: int):
-    """One jitted verify step (`step.verify_step`) with this engine's params."""
-    return self._verify_fn(self._leaves, state, trees, self._seed, filters=filters,
+    """One jitted verify step (`step.verify_step`) with this engine's params; the trees cross
+    to the device as one array (`PackedTrees.wire`)."""
+    return self._verify_fn(self._leaves, state, trees.wire(), self._seed, filters=filters,
                            max_kv_len=max_kv_len, max_q_len=max_q_len,
                            attention_impl=self.attention_impl)
 
@@ -187,9 +188,8 @@ class RolloutEngine:
     c = self.config.prefill_chunk
     cache = state.cache
     b = state.batch
-    new = np.zeros(b, bool)
-    length, root, request, top_k = (np.zeros(b, np.int32) for _ in range(4))
-    temperature, top_p = np.ones(b, np.float32), np.ones(b, np.float32)
+    ints_5xB = np.zeros((5, b), np.int32)  # step.load_slots' rows: new, length, root, ...
+    floats_2xB = np.ones((2, b), np.float32)  # temperature, top-p
     back = []  # (slot, request id) of resumed requests
     for slot, req in admits:
       prompt = np.asarray(req.prompt, np.int32)
@@ -200,20 +200,19 @@ class RolloutEngine:
       else:
         cached, last = len(prompt) - 1, prompt[-1]
         for start in range(0, cached, c):
-          chunk = np.zeros(c, np.int32)
+          # (slot, start, chunk) as one numpy array: jit moves it with the call in one transfer
+          args_N = np.zeros(2 + c, np.int32)
           piece = prompt[start:min(start + c, cached)]
-          chunk[:len(piece)] = piece
-          # numpy arguments: jit moves them with the call (a jnp scalar is a transfer each)
-          cache = self._prefill_fn(self._leaves, cache, np.int32(slot), chunk, np.int32(start))
+          args_N[:2] = slot, start
+          args_N[2:2 + len(piece)] = piece
+          cache = self._prefill_fn(self._leaves, cache, args_N)
           self.stats.prefill_chunks += 1
       p = req.params
-      new[slot] = True
-      length[slot], root[slot], request[slot] = cached, last, req.request_id
-      temperature[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
+      ints_5xB[:, slot] = 1, cached, last, req.request_id, p.top_k
+      floats_2xB[:, slot] = p.temperature, p.top_p
     if back:
       cache = self._parked.resume(cache, back)
-    state = compiled.load_slots_jit(state.replace(cache=cache), new, length, root, request,
-                                    temperature, top_p, top_k)
+    state = compiled.load_slots_jit(state.replace(cache=cache), ints_5xB, floats_2xB)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
     return state
 
@@ -328,9 +327,10 @@ class RolloutEngine:
       """Reads a step's outputs (blocking: no later step is queued, the device idles)."""
       nonlocal last_ready
       tw = time.perf_counter()
-      tokens_BxT, logp_BxT, num_B = jax.device_get(
-          (st.out.tokens_BxT, st.out.logprobs_BxT, st.out.num_emitted_B))
+      wire_BxN = jax.device_get(st.out.wire_BxN)  # one copy for the step's three outputs
       ready = time.perf_counter()
+      # Python lists: the row loop below reads them element by element
+      tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire_BxN))
       stats.device_time_s += ready - tw
       stats.host_waits += blocking
       stats.timeline.append((ready - t0, st.shape, *st.events))
@@ -349,7 +349,7 @@ class RolloutEngine:
       for slot, lv, drafted, depth, offered, expected in st.rows:
         if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
           continue
-        emitted = int(num_B[slot])
+        emitted = num_B[slot]
         lv.steps += 1
         stats.useful_slot_steps += 1  # counted when read: a discarded pipelined row is not useful
         lv.drafted += drafted
@@ -361,8 +361,8 @@ class RolloutEngine:
           self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
         reason, new = None, []
         for k in range(emitted):
-          lv.tokens.append(int(tokens_BxT[slot, k]))
-          lv.logprobs.append(float(logp_BxT[slot, k]))
+          lv.tokens.append(tokens_BxT[slot][k])
+          lv.logprobs.append(logp_BxT[slot][k])
           new.append(lv.tokens[-1])
           reason = lv.finish_reason(cfg.eos_ids)
           if reason:

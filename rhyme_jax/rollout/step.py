@@ -14,6 +14,7 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rhyme_jax.models import attention
@@ -50,6 +51,15 @@ class StepOutput(NamedTuple):
   tokens_BxT: jax.Array  # int32 emitted tokens (first num_emitted valid), T = max_q_len
   logprobs_BxT: jax.Array  # float32 their log-probabilities under the sampling distribution
   num_emitted_B: jax.Array  # int32 in [1, T] for rows with tokens, 0 for empty slots
+  # The three as one int32 array, [tokens | log-probs bit-cast | count] per row, so the host
+  # reads a step in one device-to-host copy (`from_wire`).
+  wire_BxN: jax.Array
+
+
+def from_wire(wire_BxN: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens_BxT, logprobs_BxT, num_emitted_B) of a step's `StepOutput.wire_BxN` on the host."""
+  t = (wire_BxN.shape[1] - 1) // 2
+  return wire_BxN[:, :t], wire_BxN[:, t:2 * t].view(np.float32), wire_BxN[:, 2 * t]
 
 
 def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
@@ -84,7 +94,10 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   last_B = jnp.take_along_axis(acc.emitted_BxT, acc.num_accepted_B[:, None], axis=1)[:, 0]
   new_state = state.replace(cache=cache, length_B=state.length_B + num_B,
                             root_B=jnp.where(live_B, last_B, state.root_B))
-  return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B)
+  wire_BxN = jnp.concatenate([acc.emitted_BxT,
+                              jax.lax.bitcast_convert_type(acc.logprobs_BxT, jnp.int32),
+                              num_B[:, None]], axis=1)
+  return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B, wire_BxN)
 
 
 def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slot: jax.Array,
@@ -101,16 +114,23 @@ def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slo
   return kv_cache.write_slot(cache, slot, out.cache)
 
 
-def load_slots(state: DecodeState, new_B: jax.Array, length_B: jax.Array, root_B: jax.Array,
-               request_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
-               top_k_B: jax.Array) -> DecodeState:
-  """Points the slots where `new_B` is set at freshly prefilled requests (others unchanged)."""
+# Rows of `load_slots`' integer argument (its float one holds temperature, then top-p).
+LOAD_NEW, LOAD_LENGTH, LOAD_ROOT, LOAD_REQUEST, LOAD_TOP_K = range(5)
+
+
+def load_slots(state: DecodeState, ints_5xB: jax.Array, floats_2xB: jax.Array) -> DecodeState:
+  """Points the slots whose `ints_5xB[LOAD_NEW]` is set at freshly admitted requests (others
+  unchanged): their cached length, root, request id and top-k (the LOAD_* rows), temperature
+  and top-p (`floats_2xB`). Two arrays, so an admission crosses to the device in two transfers
+  rather than seven."""
+  new_B = ints_5xB[LOAD_NEW] != 0
   pick = lambda fresh, old: jnp.where(new_B, fresh, old)
   return state.replace(
-      length_B=pick(length_B, state.length_B), root_B=pick(root_B, state.root_B),
-      request_B=pick(request_B, state.request_B),
-      temperature_B=pick(temperature_B, state.temperature_B),
-      top_p_B=pick(top_p_B, state.top_p_B), top_k_B=pick(top_k_B, state.top_k_B))
+      length_B=pick(ints_5xB[LOAD_LENGTH], state.length_B),
+      root_B=pick(ints_5xB[LOAD_ROOT], state.root_B),
+      request_B=pick(ints_5xB[LOAD_REQUEST], state.request_B),
+      temperature_B=pick(floats_2xB[0], state.temperature_B),
+      top_p_B=pick(floats_2xB[1], state.top_p_B), top_k_B=pick(ints_5xB[LOAD_TOP_K], state.top_k_B))
 
 
 def regroup(state: DecodeState, slots_B: jax.Array) -> DecodeState:

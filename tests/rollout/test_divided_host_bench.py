@@ -18,6 +18,13 @@ def test_bad_flag_is_one_line_naming_it(flag, capsys):
   assert f"{flag}: must be >= 1" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_negative_yield_cost_is_one_line_naming_it(capsys):
+  with pytest.raises(SystemExit):
+    divided_host.parse_args(["--yield_steps=-0.5"])
+  assert "--yield_steps=-0.5: must be >= 0" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_defaults_parse():
   args = divided_host.parse_args([])
   assert args.rounds == 5 and args.divide_every == 16 and not args.no_append
+  assert args.yield_steps == 0.08 and not args.old
