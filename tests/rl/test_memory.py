@@ -58,7 +58,7 @@ def test_rollout_step_estimate_within_10_percent_of_compiled():
   state = engine._new_state(bucket)
   trees = accept.pack([None] * bucket, [True] * bucket, bucket)
   s = eng_cfg.kv_lengths()[-1]
-  ma = engine._verify_fn.lower(engine._leaves, state, trees, engine._seed, filters=False,
+  ma = engine._verify_fn.lower(engine._leaves, state, trees.wire(), engine._seed, filters=False,
                                max_kv_len=s, max_q_len=1, attention_impl=engine.attention_impl
                                ).compile().memory_analysis()
   # Arguments: the parameters and the cache (plus a few per-row scalars).
