@@ -12,6 +12,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -77,6 +78,24 @@ def append_results(title: str, table: str, notes: Sequence[str] = (), command: s
   with open(path, "a") as f:
     f.write(text)
   return text
+
+
+def host_to_device_transfers(run: Callable[[], object]) -> int:
+  """Host-to-device transfers `run()` makes, as jax's transfer guard logs them (to fd 2, one
+  line each; a log level that hides warnings would hide them). Hardware-independent: the
+  count, not its cost, which is far higher per transfer on a GPU than on the CPU."""
+  import jax
+  with tempfile.TemporaryFile(mode="w+") as log:
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+      with jax.transfer_guard_host_to_device("log"):
+        run()
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+    log.seek(0)
+    return sum("host-to-device transfer" in line for line in log)
 
 
 def add_checkout_args(parser) -> None:

@@ -96,22 +96,28 @@ def measure(code: str, args) -> list[dict]:
   for i in range(PROMPTS):
     table.add(i, 0, [len(r.tokens) for r in first[i * GROUP:(i + 1) * GROUP]])
   true_lengths = {r.request_id: len(r.tokens) for r in engine.generate(requests(1))}
+  def run(name):
+    policy = (make_policy("oracle", true_lengths=true_lengths) if name == "oracle" else
+              make_policy("fifo") if name == "fifo" else
+              make_policy("history_residual", predictor=LengthPredictor(table)))
+    divided = name.endswith("+divided")
+    engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
+    engine.generate(requests(1), admission=EngineOrder(policy))
+
+  # Transfers, in one untimed run per policy (logging them costs host time)
+  moved = {name: common.host_to_device_transfers(lambda: run(name)) / engine.stats.steps
+           for name in POLICIES}
   runs = {name: [] for name in POLICIES}
   for _ in range(args.rounds):
     for name in POLICIES:
-      policy = (make_policy("oracle", true_lengths=true_lengths) if name == "oracle" else
-                make_policy("fifo") if name == "fifo" else
-                make_policy("history_residual", predictor=LengthPredictor(table)))
-      divided = name.endswith("+divided")
-      engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
       cpu = time.thread_time()
-      engine.generate(requests(1), admission=EngineOrder(policy))
+      run(name)
       cpu = time.thread_time() - cpu
       st = engine.stats
       per_pass = host_by_event(st.timeline)
       runs[name].append(dict(
           step=(st.total_time_s - st.device_time_s) / st.steps, cpu=cpu / st.steps,
-          steps=st.steps, yields=st.yields, passes=st.yield_passes,
+          steps=st.steps, yields=st.yields, passes=st.yield_passes, h2d=moved[name],
           **{f"pass_{kind}": v for kind, v in per_pass.items()}))
   return [dict(policy=name, **{k: float(np.median([r[k] for r in runs[name]]))
                                for k in runs[name][0]}) for name in POLICIES]
@@ -131,14 +137,15 @@ def main(argv=None):
     base = {m["policy"]: m for m in meds}["oracle"]
     for med in meds:
       rows.append([code, med["policy"], f"{med['steps']:.0f}", f"{med['yields']:.0f}",
-                   f"{med['passes']:.0f}", f"{1e6 * med['step']:.0f}",
+                   f"{med['passes']:.0f}", f"{med['h2d']:.2f}", f"{1e6 * med['step']:.0f}",
                    f"{1e6 * med['cpu']:.0f}", f"{med['cpu'] / base['cpu']:.2f}",
                    f"{1e6 * med['pass_plain']:.0f}",
                    f"{med['pass_plain'] / base['pass_plain']:.2f}",
                    f"{1e6 * med['pass_yields']:.0f}" if med["passes"] else "-",
                    f"{1e6 * med['pass_prefill']:.0f}"])
   table_md = common.markdown_table(
-      ["code", "policy", "decode steps", "yields", "yield passes", "host us / step",
+      ["code", "policy", "decode steps", "yields", "yield passes",
+       "host-to-device transfers / step", "host us / step",
        "host CPU us / step", "CPU / oracle's", "host us / plain pass", "plain pass / oracle's",
        "host us / yield pass", "host us / prefill pass"], rows)
   print(table_md)
@@ -151,6 +158,11 @@ def main(argv=None):
          f"slots, up to {MAX_NEW} new tokens at T=1; epoch 0 in data order gives the history "
          f"and the oracle's lengths; median of {args.rounds} interleaved runs per policy, each "
          "code in its own process",
+         "host-to-device transfers / step = arrays the rollout moved to the device (jit "
+         "arguments from the host: packed trees, prefill chunks, slot loading, copy indices), "
+         "as jax.transfer_guard_host_to_device('log') counts them in one untimed run, per "
+         "decode step; the engine reads each step's outputs back in one copy (three before "
+         "1b89c0a), which the guard does not log",
          "host us / step = rollout time outside blocking reads per decode step; host CPU us / "
          "step = the Python thread's CPU time (time.thread_time) per decode step, which "
          "waiting for a core while XLA's threads run a step does not inflate; per pass = host "

@@ -315,3 +315,33 @@ def test_bad_engine_config_is_named():
     EngineConfig(speculate="maybe")
   with pytest.raises(ValueError, match=r"attention='triton': expected one of \('xla'"):
     EngineConfig(attention="triton")
+
+
+def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
+  """A decode step's packed trees cross to the device as one array (PackedTrees.wire), its
+  outputs come back as one (StepOutput.wire_BxN): on a GPU each transfer costs host time on
+  the critical path. Two rollouts that differ only in length differ in host-to-device transfers
+  by exactly their difference in steps (jax's transfer guard counts them)."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+  from bench.common import host_to_device_transfers
+  eng = RolloutEngine(tiny_model, EngineConfig(max_len=64, buckets=(4,), max_draft=0,
+                                               speculate="never", eos_ids=(), seed=1))
+  eng.warmup()
+  moved, steps = [], []
+  for n in (10, 25):
+    reqs = [Request(i, [5, 6, 7, 8, 9], SamplingParams(temperature=1.0, max_new_tokens=n))
+            for i in range(4)]
+    moved.append(host_to_device_transfers(lambda: eng.generate(reqs)))
+    steps.append(eng.stats.steps)
+  assert steps[1] - steps[0] == 15 and moved[0] > steps[0]
+  assert moved[1] - moved[0] == steps[1] - steps[0]
+  # The one array read back holds the step's tokens, log-probs and counts, bit for bit.
+  from rhyme_jax.rollout import accept, step
+  state = eng._admit(eng._new_state(4), list(enumerate(reqs)))
+  _, out = eng.verify(state, accept.pack([None] * 4, [True] * 4, 4), False, 64, 1)
+  for got, want in zip(step.from_wire(np.asarray(out.wire_BxN)),
+                       (out.tokens_BxT, out.logprobs_BxT, out.num_emitted_B)):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, np.asarray(want))
