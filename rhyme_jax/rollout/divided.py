@@ -93,9 +93,6 @@ class ParkPool:
     held = self._held.get(request_id)
     return None if held is None else held[1]
 
-  def records(self) -> list:
-    return [rec for _, rec in self._held.values()]
-
   def pass_sizes(self, batch: int) -> list[int]:
     """Rows one copy call moves (its index array's width), the compiled sizes for a batch of
     `batch` rows: powers of two up to the first that holds min(batch, pool rows,
