@@ -49,10 +49,11 @@ class PackedTrees(NamedTuple):
                            self.q_len_B])
 
   @classmethod
-  def from_wire(cls, wire_N: jax.Array, b: int) -> "PackedTrees":
-    """The trees of `wire` for B rows (inside the jitted step: static slices, one bit-cast)."""
-    p = (wire_N.shape[0] - 2 * b) // (3 + WORDS)
-    part = lambda k, n: wire_N[k:k + n]
+  def from_wire(cls, wire: jax.Array, b: int) -> "PackedTrees":
+    """The trees of `wire` (`wire()`'s int32 vector) for B rows, inside the jitted step:
+    static slices and one bit-cast."""
+    p = (wire.shape[0] - 2 * b) // (3 + WORDS)
+    part = lambda k, n: wire[k:k + n]
     mask_PxW = jax.lax.bitcast_convert_type(part(3 * p, WORDS * p), jnp.uint32).reshape(p, WORDS)
     return cls(part(0, p), part(p, p), part(2 * p, p), mask_PxW,
                part((3 + WORDS) * p, b), part((3 + WORDS) * p + b, b))

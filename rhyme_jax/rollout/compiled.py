@@ -41,15 +41,15 @@ def model_fns(graphdef, treedef):
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
   Engines over the same structure share these functions and their compilations.
   """
-  def verify(leaves, state, wire_N, seed, *, filters, max_kv_len, max_q_len, attention_impl):
-    trees = accept.PackedTrees.from_wire(wire_N, state.batch)  # one transfer, not six
+  def verify(leaves, state, wire, seed, *, filters, max_kv_len, max_q_len, attention_impl):
+    trees = accept.PackedTrees.from_wire(wire, state.batch)  # one transfer, not six
     return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
                             filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len,
                             attention_impl=attention_impl)
 
-  def prefill(leaves, cache, args_N):  # (slot, start, chunk tokens): one transfer, not three
-    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, args_N[0],
-                              args_N[2:], args_N[1])
+  def prefill(leaves, cache, args):  # int32 (slot, start, C chunk tokens): one transfer
+    return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, args[0],
+                              args[2:], args[1])
 
   return (jax.jit(counted("step", verify),
                   static_argnames=("filters", "max_kv_len", "max_q_len",

@@ -201,11 +201,11 @@ class RolloutEngine:
         cached, last = len(prompt) - 1, prompt[-1]
         for start in range(0, cached, c):
           # (slot, start, chunk) as one numpy array: jit moves it with the call in one transfer
-          args_N = np.zeros(2 + c, np.int32)
+          args = np.zeros(2 + c, np.int32)
           piece = prompt[start:min(start + c, cached)]
-          args_N[:2] = slot, start
-          args_N[2:2 + len(piece)] = piece
-          cache = self._prefill_fn(self._leaves, cache, args_N)
+          args[:2] = slot, start
+          args[2:2 + len(piece)] = piece
+          cache = self._prefill_fn(self._leaves, cache, args)
           self.stats.prefill_chunks += 1
       p = req.params
       ints_5xB[:, slot] = 1, cached, last, req.request_id, p.top_k
@@ -327,10 +327,10 @@ class RolloutEngine:
       """Reads a step's outputs (blocking: no later step is queued, the device idles)."""
       nonlocal last_ready
       tw = time.perf_counter()
-      wire_BxN = jax.device_get(st.out.wire_BxN)  # one copy for the step's three outputs
+      wire = jax.device_get(st.out.wire)  # one copy for the step's three outputs
       ready = time.perf_counter()
       # Python lists: the row loop below reads them element by element
-      tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire_BxN))
+      tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))
       stats.device_time_s += ready - tw
       stats.host_waits += blocking
       stats.timeline.append((ready - t0, st.shape, *st.events))

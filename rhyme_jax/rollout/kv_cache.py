@@ -44,18 +44,18 @@ def write_slot(cache: KVCache, slot: jax.Array, one: KVCache) -> KVCache:
   return KVCache(put(cache.k_LxBxSxKxH, one.k_LxBxSxKxH), put(cache.v_LxBxSxKxH, one.v_LxBxSxKxH))
 
 
-def copy_rows(dst: KVCache, src: KVCache, rows_2xK: jax.Array) -> KVCache:
-  """`dst` with row rows_2xK[1, i] of `src` written into its row rows_2xK[0, i], for each of
-  the K (static) columns, in order.
+def copy_rows(dst: KVCache, src: KVCache, rows: jax.Array) -> KVCache:
+  """`dst` with row rows[1, i] of `src` written into its row rows[0, i], for each of the
+  (static) columns of the int32 `rows` (shape (2, pairs)), in order.
 
   One call moves every row a pass needs (divided rollout parks or resumes several requests at
-  once): one dispatch and one index transfer for all of them. K comes from a few sizes (powers
-  of two) so that few shapes compile; a pass of fewer rows repeats its last pair, which writes
-  the same values again. An unrolled loop, not one bounded by a device-side count: a GPU
-  while loop reads its predicate back to the host every iteration, a blocking sync that would
-  stall the step queue behind it.
+  once): one dispatch and one index transfer for all of them. The number of pairs comes from a
+  few sizes (powers of two) so that few shapes compile; a pass of fewer rows repeats its last
+  pair, which writes the same values again. An unrolled loop, not one bounded by a device-side
+  count: a GPU while loop reads its predicate back to the host every iteration, a blocking
+  sync that would stall the step queue behind it.
   """
-  rows_2xK = jnp.asarray(rows_2xK, jnp.int32)
-  for i in range(rows_2xK.shape[1]):
-    dst = write_slot(dst, rows_2xK[0, i], read_slot(src, rows_2xK[1, i]))
+  rows = jnp.asarray(rows, jnp.int32)
+  for i in range(rows.shape[1]):
+    dst = write_slot(dst, rows[0, i], read_slot(src, rows[1, i]))
   return dst

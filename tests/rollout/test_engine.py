@@ -319,7 +319,7 @@ def test_bad_engine_config_is_named():
 
 def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
   """A decode step's packed trees cross to the device as one array (PackedTrees.wire), its
-  outputs come back as one (StepOutput.wire_BxN): on a GPU each transfer costs host time on
+  outputs come back as one (StepOutput.wire): on a GPU each transfer costs host time on
   the critical path. Two rollouts that differ only in length differ in host-to-device transfers
   by exactly their difference in steps (jax's transfer guard counts them)."""
   import os
@@ -341,7 +341,7 @@ def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
   from rhyme_jax.rollout import accept, step
   state = eng._admit(eng._new_state(4), list(enumerate(reqs)))
   _, out = eng.verify(state, accept.pack([None] * 4, [True] * 4, 4), False, 64, 1)
-  for got, want in zip(step.from_wire(np.asarray(out.wire_BxN)),
+  for got, want in zip(step.from_wire(np.asarray(out.wire)),
                        (out.tokens_BxT, out.logprobs_BxT, out.num_emitted_B)):
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, np.asarray(want))

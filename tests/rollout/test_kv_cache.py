@@ -18,13 +18,13 @@ def test_copy_rows_moves_the_listed_rows_and_nothing_else():
   """Each column's source row lands in its destination row; a repeated last pair (how a pass
   of fewer rows fills its size) writes the same again; other rows keep their values."""
   dst, src = _cache(6, 0), _cache(4, 1)
-  rows_2xK = np.array([[4, 0, 2, 2], [1, 3, 1, 1]], np.int32)
+  rows = np.array([[4, 0, 2, 2], [1, 3, 1, 1]], np.int32)
   want_k = np.array(dst.k_LxBxSxKxH)
   want_v = np.array(dst.v_LxBxSxKxH)
   for d, s in [(4, 1), (0, 3), (2, 1)]:
     want_k[:, d] = np.array(src.k_LxBxSxKxH)[:, s]
     want_v[:, d] = np.array(src.v_LxBxSxKxH)[:, s]
-  out = kv_cache.copy_rows(dst, src, rows_2xK)
+  out = kv_cache.copy_rows(dst, src, rows)
   np.testing.assert_array_equal(out.k_LxBxSxKxH, want_k)
   np.testing.assert_array_equal(out.v_LxBxSxKxH, want_v)
 
