@@ -116,7 +116,7 @@ def measure(code: str, args) -> list[dict]:
       st = engine.stats
       per_pass = host_by_event(st.timeline)
       runs[name].append(dict(
-          step=(st.total_time_s - st.device_time_s) / st.steps, cpu=cpu / st.steps,
+          step=st.host_s_per_step, cpu=cpu / st.steps,
           steps=st.steps, yields=st.yields, passes=st.yield_passes, h2d=moved[name],
           **{f"pass_{kind}": v for kind, v in per_pass.items()}))
   return [dict(policy=name, **{k: float(np.median([r[k] for r in runs[name]]))

@@ -35,7 +35,7 @@ from bench import common  # noqa: E402
 from bench.forward import SMOLLM2_135M  # noqa: E402
 from rhyme_jax.models.config import ModelConfig  # noqa: E402
 from rhyme_jax.models.transformer import init_model  # noqa: E402
-from rhyme_jax.rollout import accept, compiled  # noqa: E402
+from rhyme_jax.rollout import accept, compiled, step  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 
 MODELS = {
@@ -100,7 +100,7 @@ def time_steps(engine, bucket, lengths_B, nodes, reps):
   packed = accept.pack(trees, [True] * bucket, p)
   s = engine._kv_len_for(int(lengths_B.max()) + (reps + 3) * t)
   state, out = engine.verify(state, packed, False, s, t)
-  first = np.asarray(out.tokens_BxT)
+  first = step.from_wire(np.asarray(out))[0]  # the emitted tokens
   state, out = engine.verify(state, packed, False, s, t)
   jax.block_until_ready((state, out))
   t0 = time.perf_counter()

@@ -34,8 +34,9 @@ def counted(kind, fn):
 @functools.lru_cache(maxsize=16)
 def model_fns(graphdef, treedef):
   """Verify and prefill jitted for one model structure, taking the params as a flat list
-  (verify takes its packed trees as `PackedTrees.wire()`, prefill one (slot, start, chunk...)
-  array).
+  Arrays cross between host and device one per call each way: verify takes its packed trees
+  as `PackedTrees.wire()` and returns the new state and its outputs as `step.to_wire`'s one
+  array, prefill takes one (slot, start, chunk...) array.
 
   Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
@@ -43,9 +44,10 @@ def model_fns(graphdef, treedef):
   """
   def verify(leaves, state, wire, seed, *, filters, max_kv_len, max_q_len, attention_impl):
     trees = accept.PackedTrees.from_wire(wire, state.batch)  # one transfer, not six
-    return step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees, seed,
-                            filters=filters, max_kv_len=max_kv_len, max_q_len=max_q_len,
-                            attention_impl=attention_impl)
+    state, out = step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees,
+                                  seed, filters=filters, max_kv_len=max_kv_len,
+                                  max_q_len=max_q_len, attention_impl=attention_impl)
+    return state, step.to_wire(out)  # one copy back, not three
 
   def prefill(leaves, cache, args):  # int32 (slot, start, C chunk tokens): one transfer
     return step.prefill_chunk(graphdef, jax.tree.unflatten(treedef, leaves), cache, args[0],

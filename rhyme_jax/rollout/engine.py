@@ -46,7 +46,7 @@ from rhyme_jax.rollout.sampling import needs_filtering
 class _Step:
   """A dispatched step whose outputs are not read yet."""
 
-  out: step.StepOutput
+  out: jax.Array  # its outputs as one array (step.to_wire)
   # (slot, LiveRequest, drafted nodes, depth of the verified tree (-1: nothing to learn), the
   # verified nodes' drafter probabilities summed per depth (None: it gave none), and the gain
   # the cost model expected of them)
@@ -158,8 +158,9 @@ class RolloutEngine:
 
   def verify(self, state: step.DecodeState, trees: accept.PackedTrees, filters: bool,
              max_kv_len: int, max_q_len: int):
-    """One jitted verify step (`step.verify_step`) with this engine's params; the trees cross
-    to the device as one array (`PackedTrees.wire`)."""
+    """One jitted verify step (`step.verify_step`) with this engine's params: the new state and
+    the step's outputs as one array (`step.to_wire`; `step.from_wire` reads it), the trees
+    crossing to the device as one array too (`PackedTrees.wire`)."""
     return self._verify_fn(self._leaves, state, trees.wire(), self._seed, filters=filters,
                            max_kv_len=max_kv_len, max_q_len=max_q_len,
                            attention_impl=self.attention_impl)
@@ -327,7 +328,7 @@ class RolloutEngine:
       """Reads a step's outputs (blocking: no later step is queued, the device idles)."""
       nonlocal last_ready
       tw = time.perf_counter()
-      wire = jax.device_get(st.out.wire)  # one copy for the step's three outputs
+      wire = jax.device_get(st.out)  # one copy for the step's three outputs
       ready = time.perf_counter()
       # Python lists: the row loop below reads them element by element
       tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))

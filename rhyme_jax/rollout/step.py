@@ -51,13 +51,18 @@ class StepOutput(NamedTuple):
   tokens_BxT: jax.Array  # int32 emitted tokens (first num_emitted valid), T = max_q_len
   logprobs_BxT: jax.Array  # float32 their log-probabilities under the sampling distribution
   num_emitted_B: jax.Array  # int32 in [1, T] for rows with tokens, 0 for empty slots
-  # The three as one int32 array of shape (B, 2T + 1), [tokens | log-probs bit-cast | count]
-  # per row, so the host reads a step in one device-to-host copy (`from_wire`).
-  wire: jax.Array
+
+
+def to_wire(out: StepOutput) -> jax.Array:
+  """The three as one int32 array of shape (B, 2T + 1), [tokens | log-probs bit-cast | count]
+  per row, so the host reads a step in one device-to-host copy (`from_wire`)."""
+  return jnp.concatenate([out.tokens_BxT,
+                          jax.lax.bitcast_convert_type(out.logprobs_BxT, jnp.int32),
+                          out.num_emitted_B[:, None]], axis=1)
 
 
 def from_wire(wire: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(tokens_BxT, logprobs_BxT, num_emitted_B) of a step's `StepOutput.wire` on the host."""
+  """(tokens_BxT, logprobs_BxT, num_emitted_B) of `to_wire`'s array on the host."""
   t = (wire.shape[1] - 1) // 2
   return wire[:, :t], wire[:, t:2 * t].view(np.float32), wire[:, 2 * t]
 
@@ -94,10 +99,7 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   last_B = jnp.take_along_axis(acc.emitted_BxT, acc.num_accepted_B[:, None], axis=1)[:, 0]
   new_state = state.replace(cache=cache, length_B=state.length_B + num_B,
                             root_B=jnp.where(live_B, last_B, state.root_B))
-  wire = jnp.concatenate([acc.emitted_BxT,
-                          jax.lax.bitcast_convert_type(acc.logprobs_BxT, jnp.int32),
-                          num_B[:, None]], axis=1)
-  return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B, wire)
+  return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B)
 
 
 def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slot: jax.Array,

@@ -319,7 +319,7 @@ def test_bad_engine_config_is_named():
 
 def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
   """A decode step's packed trees cross to the device as one array (PackedTrees.wire), its
-  outputs come back as one (StepOutput.wire): on a GPU each transfer costs host time on
+  outputs come back as one (step.to_wire): on a GPU each transfer costs host time on
   the critical path. Two rollouts that differ only in length differ in host-to-device transfers
   by exactly their difference in steps (jax's transfer guard counts them)."""
   import os
@@ -337,11 +337,19 @@ def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
     steps.append(eng.stats.steps)
   assert steps[1] - steps[0] == 15 and moved[0] > steps[0]
   assert moved[1] - moved[0] == steps[1] - steps[0]
-  # The one array read back holds the step's tokens, log-probs and counts, bit for bit.
+  # The one array read back holds the step's tokens, log-probs and counts, bit for bit: the
+  # engine's call against the bare verify step on the same state.
+  import jax
   from rhyme_jax.rollout import accept, step
   state = eng._admit(eng._new_state(4), list(enumerate(reqs)))
-  _, out = eng.verify(state, accept.pack([None] * 4, [True] * 4, 4), False, 64, 1)
-  for got, want in zip(step.from_wire(np.asarray(out.wire)),
+  trees = accept.pack([None] * 4, [True] * 4, 4)
+  bare = jax.jit(step.verify_step, static_argnums=0,
+                 static_argnames=("filters", "max_kv_len", "max_q_len"))
+  _, out = bare(eng.graphdef, eng.params, state, trees, eng._seed, filters=False,
+                max_kv_len=64, max_q_len=1)
+  jax.block_until_ready(out)  # before the engine's call donates `state`
+  _, wire = eng.verify(state, trees, False, 64, 1)
+  for got, want in zip(step.from_wire(np.asarray(wire)),
                        (out.tokens_BxT, out.logprobs_BxT, out.num_emitted_B)):
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, np.asarray(want))
