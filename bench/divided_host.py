@@ -65,7 +65,9 @@ def parse_args(argv=None):
 def measure(code: str, args) -> list[dict]:
   """Medians per policy, with the rhyme_jax of checkout `code`."""
   sys.path.insert(0, code)
-  from bench.schedule_engine import host_by_event
+  from bench import schedule_engine
+  host_by_event = schedule_engine.host_by_event
+  host_parts_ms = getattr(schedule_engine, "host_parts_ms", None)  # absent in older checkouts
   from rhyme_jax.models.config import ModelConfig
   from rhyme_jax.models.transformer import init_model
   from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
@@ -118,7 +120,8 @@ def measure(code: str, args) -> list[dict]:
       runs[name].append(dict(
           step=st.host_s_per_step, cpu=cpu / st.steps,
           steps=st.steps, yields=st.yields, passes=st.yield_passes, h2d=moved[name],
-          **{f"pass_{kind}": v for kind, v in per_pass.items()}))
+          **{f"pass_{kind}": v for kind, v in per_pass.items()},
+          **({f"part_{k}": v for k, v in host_parts_ms(st).items()} if host_parts_ms else {})))
   return [dict(policy=name, **{k: float(np.median([r[k] for r in runs[name]]))
                                for k in runs[name][0]}) for name in POLICIES]
 
@@ -148,6 +151,15 @@ def main(argv=None):
        "host-to-device transfers / step", "host us / step",
        "host CPU us / step", "CPU / oracle's", "host us / plain pass", "plain pass / oracle's",
        "host us / yield pass", "host us / prefill pass"], rows)
+  # host ms per step by part (schedule_engine.host_parts_ms), from the checkouts that have it
+  names = next(([k[5:] for k in med if k.startswith("part_")]
+                for meds in out for med in meds if "part_CPU" in med), [])
+  parts = [[code, med["policy"], f"{1e6 * med['step']:.0f}",
+            *(f"{1e3 * med['part_' + k]:.0f}" for k in names)]
+           for code, meds in zip(codes, out) for med in meds if "part_CPU" in med]
+  if parts:
+    table_md += "\n\n" + common.markdown_table(
+        ["code", "policy", "host us / step", *(f"{k} us / step" for k in names)], parts)
   print(table_md)
   if not args.no_append:
     common.append_results(
@@ -169,6 +181,10 @@ def main(argv=None):
          "time from one step's dispatch to the next's (EngineStats.timeline), averaged over "
          "passes that dispatched nothing else (plain), parks or resumes and no prefill (yield), "
          "new requests' prefill (prefill)",
+         "second table (checkouts that record it): host us / step by part (EngineStats): the "
+         "decode steps' dispatch calls, admissions (prefill, resume copies, slot loading), "
+         "yield checks and parks, reading step outputs, the rest (planning, packing, the "
+         "loop); CPU = the thread's CPU time per step over the whole generate call",
          f"residual+divided: asked every {args.divide_every} tokens, a yield weighed at "
          f"{args.yield_steps} decode steps (fixed, so every process makes the same yields)",
          *args.note])

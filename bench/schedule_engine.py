@@ -84,7 +84,13 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+  p.add_argument("--profile", default="",
+                 help="a directory: after the timed runs, one more run per policy under "
+                      "cProfile, its busiest host functions written to profile_<policy>.txt "
+                      "there (the table keeps the unprofiled runs)")
   args = p.parse_args(argv)
+  if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+    p.error(f"--profile={args.profile}: exists and is not a directory")
   policies = args.policies.split(",")
   bad = [x for x in policies if x not in POLICIES]
   if bad:
@@ -136,6 +142,37 @@ def excess_by_event(timeline, warm) -> dict[str, float]:
   return out
 
 
+HOST_PARTS = ("dispatch", "admit", "yields", "read", "other", "CPU")
+
+
+def host_parts_ms(st) -> dict[str, float]:
+  """Host ms per decode step by part (`EngineStats`): the decode steps' dispatch calls,
+  admissions (prefill, resume copies, slot loading), yield checks and parks, reading step
+  outputs, the rest (planning, packing, the loop), and the thread's CPU time: where wall time
+  well above CPU time shows the host blocked rather than busy."""
+  n = max(st.steps, 1)
+  parts = dict(dispatch=st.dispatch_time_s, admit=st.prefill_time_s, yields=st.yield_time_s,
+               read=st.read_time_s)
+  parts["other"] = st.host_s_per_step * n - sum(parts.values())
+  parts["CPU"] = st.cpu_time_s
+  return {k: 1e3 * v / n for k, v in parts.items()}
+
+
+def profiled(fn, title: str, top: int = 40) -> str:
+  """Runs `fn` under cProfile: the `top` functions by own time and by cumulative time, as
+  text (where the host's time per step goes, blocking calls included)."""
+  import cProfile
+  import io
+  import pstats
+  prof = cProfile.Profile()
+  prof.runcall(fn)
+  out = io.StringIO()
+  out.write(f"{title}\n")
+  for key in ("tottime", "cumulative"):
+    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+  return out.getvalue()
+
+
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -185,23 +222,28 @@ def main(argv=None):
   true_lengths: dict[int, int] = {}
   best: dict[str, dict] = {}
   margins: dict[str, tuple[float, float]] = {}  # divided policies: (yield cost, margin)
+
+  def run(name):
+    """(the policy, epoch 1's results) under policy `name`."""
+    base = name.split("+")[0]
+    if name == "oracle":
+      policy = make_policy("oracle", true_lengths=true_lengths)
+    else:
+      policy = make_policy({"residual": "history_residual"}.get(base, base),
+                           predictor=predictor if base != "fifo" else None)
+    if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
+      policy.set_yield_cost = lambda steps: None
+    if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units
+      scale = engine.yield_seconds_waited / engine.yield_seconds
+      policy.set_yield_cost = (lambda steps, set_cost=policy.set_yield_cost:
+                               set_cost(steps * scale))
+    engine.config = cfg if "+divided" in name else dataclasses.replace(cfg, divide_every=0)
+    return policy, engine.generate(requests(1), admission=EngineOrder(policy))
+
   for rep in range(args.repeats):
     for name in args.policies:
-      base = name.split("+")[0]
-      if name == "oracle":
-        policy = make_policy("oracle", true_lengths=true_lengths)
-      else:
-        policy = make_policy({"residual": "history_residual"}.get(base, base),
-                             predictor=predictor if base != "fifo" else None)
       divided = "+divided" in name
-      if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
-        policy.set_yield_cost = lambda steps: None
-      if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units
-        scale = engine.yield_seconds_waited / engine.yield_seconds
-        policy.set_yield_cost = (lambda steps, set_cost=policy.set_yield_cost:
-                                 set_cost(steps * scale))
-      engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
-      results = engine.generate(requests(1), admission=EngineOrder(policy))
+      policy, results = run(name)
       st = engine.stats
       finish = np.array([r.finish_time for r in results])
       if name == "fifo":
@@ -213,6 +255,7 @@ def main(argv=None):
                  parked=st.parked_peak,
                  steps=st.steps, crc=tokens_crc(results), waits=st.host_waits,
                  host_ms=1e3 * st.host_s_per_step,
+                 parts=host_parts_ms(st),
                  excess=excess_by_event(st.timeline, warm),
                  pass_ms={k: 1e3 * v for k, v in host_by_event(st.timeline).items()},
                  long_kv=sum(n for shape, n in st.steps_by_shape.items()
@@ -224,6 +267,13 @@ def main(argv=None):
         margins[name] = (policy.yield_cost, policy.yield_margin(args.divide_every))
       if name not in best or row["makespan"] < best[name]["makespan"]:
         best[name] = row
+  if args.profile:
+    os.makedirs(args.profile, exist_ok=True)
+    for name in args.policies:
+      path = os.path.join(args.profile, f"profile_{name}.txt")
+      with open(path, "w") as f:
+        f.write(profiled(lambda: run(name), f"{name}: one epoch-1 rollout under cProfile"))
+      print(f"[schedule_engine] host profile of {name}: {path}", flush=True)
   engine.config = cfg
   ref = best.get("oracle")
   fifo = best.get("fifo")
@@ -249,6 +299,10 @@ def main(argv=None):
        "tail / oracle", "tail cut vs fifo", "yields", "yield passes", "parked peak",
        "host ms / step", "host ms / plain pass", "host ms / yield pass", "blocking reads",
        "excess s: plain steps", "after prefill", "after yields only", "tokens CRC32"], rows)
+  table_md += "\n\n" + common.markdown_table(
+      ["policy", "host ms / step", *(f"{k} ms / step" for k in HOST_PARTS)],
+      [[name, f"{best[name]['host_ms']:.2f}",
+        *(f"{best[name]['parts'][k]:.2f}" for k in HOST_PARTS)] for name in args.policies])
   print(table_md)
   print(f"sampled tokens identical across policies: {'yes' if same else 'NO'}")
   notes = [f"{args.num_prompts} GSM8K train prompts (from {args.prompt_offset}) x G="
@@ -267,6 +321,12 @@ def main(argv=None):
            "over passes that dispatched nothing else and over passes that parked or resumed "
            "requests but prefilled none (nan: none such); blocking reads = reads with no later "
            "step queued (the device idles meanwhile)",
+           "second table: the host ms / step by part: the decode steps' dispatch calls, "
+           "admissions (prefill chunks, resume copies, slot loading), divided rollout's yield "
+           "checks and parks, reading step outputs (per-row bookkeeping), the rest (planning, "
+           "packing, the loop); CPU = the Python thread's CPU time per step (time.thread_time), "
+           "which blocking reads do not count: host wall time well above it means the host "
+           "thread was blocked (in a dispatch, a transfer) rather than busy",
            "modelled decode s = the policy's decode steps, each at its shape's warm-up time "
            f"(one set of times for every policy, so machine noise between runs drops out), plus "
            f"the yields' KV row copies: {1e3 * cost.fixed:.3f} ms per pass that yields and "

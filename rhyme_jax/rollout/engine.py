@@ -249,7 +249,7 @@ class RolloutEngine:
     A request that cannot run (empty or too-long prompt, bad sampling params) gets a result with
     finish_reason "error" and a message; the others run as usual.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     self.stats = stats = EngineStats()
     cfg = self.config
     results: dict[int, RequestResult] = {}
@@ -330,6 +330,7 @@ class RolloutEngine:
       tw = time.perf_counter()
       wire = jax.device_get(st.out)  # one copy for the step's three outputs
       ready = time.perf_counter()
+      waited = 0.0  # for drafts made ahead (not reading)
       # Python lists: the row loop below reads them element by element
       tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))
       stats.device_time_s += ready - tw
@@ -341,7 +342,8 @@ class RolloutEngine:
       if st.ahead is not None:
         tw = time.perf_counter()
         wide_trees, seconds = st.ahead.result()
-        stats.lookahead_wait_s += time.perf_counter() - tw
+        waited = time.perf_counter() - tw
+        stats.lookahead_wait_s += waited
         stats.lookahead_time_s += seconds
         for lv, tree in zip(st.ahead_rows, wide_trees):
           lv.ahead, lv.ahead_from = tree, len(lv.tokens)
@@ -388,10 +390,12 @@ class RolloutEngine:
           queue.append(lv.req)
           rules.changed()
       landing.clear()
+      stats.read_time_s += time.perf_counter() - ready - waited
 
     while queue or any(slots) or pending is not None:
       admits = []
       if dividing and queue:  # divided rollout: rows give way to queued requests
+        ty = time.perf_counter()
         marked = slots_to_yield(slots, queue, rules, cfg.divide_every, pool.free_rows())
         if marked:
           rules.changed()
@@ -403,6 +407,7 @@ class RolloutEngine:
         stats.yields += len(marked)
         stats.yield_passes += bool(marked)
         untimed = untimed or bool(marked)
+        stats.yield_time_s += time.perf_counter() - ty
       resumed = {}
       for i in range(bucket):
         if slots[i] is None and queue:
@@ -494,8 +499,10 @@ class RolloutEngine:
       s = self._kv_len_for(longest + in_flight + t)
       live_B = [slots[i] is not None for i in range(bucket)]
       packed = accept.pack(trees, live_B, p)
+      tv = time.perf_counter()
       state, out = self.verify(state, packed, filters, s, t)
       now = time.perf_counter()
+      stats.dispatch_time_s += now - tv
       host_s = now - host_from[0] - (stats.device_time_s - host_from[1])
       host_from = (now, stats.device_time_s)
       shape = (bucket, p, t, s)
@@ -520,6 +527,7 @@ class RolloutEngine:
         process(pending, blocking=False)
       pending = st
     stats.total_time_s = time.perf_counter() - t0
+    stats.cpu_time_s = time.thread_time() - cpu0
     stats.parked_peak = pool.peak if pool is not None else 0
     stats.yield_rules = rules.built if rules is not None else 0
     return [results[k] for k in order]

@@ -235,6 +235,13 @@ class EngineStats:
   host_waits: int = 0  # reads of step outputs with no later step queued (the device idles)
   draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
   device_time_s: float = 0.0  # blocking waits for step outputs
+  # The host's time outside those waits, by part (the rest is planning and packing): the
+  # decode steps' dispatch calls, reading steps' outputs (bookkeeping per row), and divided
+  # rollout's yield checks and parks; `prefill_time_s` holds admissions
+  dispatch_time_s: float = 0.0
+  read_time_s: float = 0.0
+  yield_time_s: float = 0.0
+  cpu_time_s: float = 0.0  # the calling thread's CPU time (time.thread_time) over the call
   lookahead_time_s: float = 0.0  # background drafting, overlapped with device_time_s
   lookahead_wait_s: float = 0.0  # waiting for background drafting after the device finished
   ahead_hits: int = 0  # queries given the continuation of a tree drafted ahead
@@ -285,6 +292,8 @@ class EngineStats:
                 accepted=self.accepted, positions=self.positions,
                 live_positions=self.live_positions, host_waits=self.host_waits,
                 draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
+                dispatch_time_s=self.dispatch_time_s, read_time_s=self.read_time_s,
+                yield_time_s=self.yield_time_s, cpu_time_s=self.cpu_time_s,
                 lookahead_time_s=self.lookahead_time_s,
                 lookahead_wait_s=self.lookahead_wait_s, ahead_hits=self.ahead_hits,
                 ahead_misses=self.ahead_misses, yields=self.yields, yield_passes=self.yield_passes,

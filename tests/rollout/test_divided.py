@@ -250,3 +250,20 @@ def test_park_pool_moves_a_large_pass_in_calls_of_at_most_max_pass_rows(tiny_mod
   for s in range(11):
     np.testing.assert_array_equal(after[:, (s + 1) % 12], before[:, s])
   np.testing.assert_array_equal(after[:, 0], 0)  # slot 0 got nothing (no request 111)
+
+
+def test_host_time_is_split_by_part(tiny_model):
+  """EngineStats splits the host's time outside blocking reads by part (bench/schedule_engine's
+  second table): step dispatches, admissions, yield checks and parks, reading outputs. Each
+  part is counted (yields only where the rollout is divided) and together they stay within
+  the host time they split; the thread's CPU time is counted too."""
+  reqs = requests(16, seed=2)
+  for divide in (0, 1):
+    eng = engine(tiny_model, divide_every=divide, park_rows=4 if divide else 0)
+    eng.generate(reqs, admission=FewestTokensFirst() if divide else None)
+    st = eng.stats
+    parts = (st.dispatch_time_s, st.prefill_time_s, st.read_time_s, st.yield_time_s)
+    assert all(p > 0 for p in parts[:3]) and (parts[3] > 0) == bool(divide)
+    assert (st.yields > 0) == bool(divide)
+    assert sum(parts) <= st.total_time_s - st.device_time_s
+    assert 0 < st.cpu_time_s

@@ -44,3 +44,32 @@ def test_excess_by_event_splits_wall_time_beyond_warm_up_by_what_came_before():
   host = schedule_engine.host_by_event(timeline)
   assert host == pytest.approx(dict(plain=0.15, prefill=0.4, yields=0.4))
   assert np.isnan(schedule_engine.host_by_event(timeline[:2])["yields"])
+
+
+def test_a_profile_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
+  path = tmp_path / "a_file"
+  path.write_text("")
+  with pytest.raises(SystemExit):
+    schedule_engine.parse_args([f"--profile={path}"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"--profile={path}: exists and is not a directory" in err
+  assert schedule_engine.parse_args([f"--profile={tmp_path}"]).profile == str(tmp_path)
+
+
+def test_host_parts_split_host_time_per_step():
+  """Dispatch, admissions, yields and reading per decode step; `other` is what is left of the
+  host time; CPU is the thread's own time, apart."""
+  from rhyme_jax.rollout.interface import EngineStats
+  st = EngineStats(steps=10, total_time_s=1.0, device_time_s=0.4, dispatch_time_s=0.2,
+                   prefill_time_s=0.1, yield_time_s=0.05, read_time_s=0.15, cpu_time_s=0.5)
+  got = schedule_engine.host_parts_ms(st)
+  assert got == pytest.approx(dict(dispatch=20.0, admit=10.0, yields=5.0, read=15.0,
+                                   other=10.0, CPU=50.0))
+  assert tuple(got) == schedule_engine.HOST_PARTS
+
+
+def test_profiled_names_the_busiest_function():
+  def busy():
+    return sum(i * i for i in range(200_000))
+  text = schedule_engine.profiled(busy, "a title", top=5)
+  assert text.startswith("a title\n") and "busy" in text and "genexpr" in text
