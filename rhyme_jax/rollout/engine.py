@@ -84,6 +84,9 @@ class RolloutEngine:
     self.kv_lengths = (config.kv_lengths() if self.attention_impl == "xla"
                        else (config.cache_len,))
     self._seed = jnp.uint32(config.seed)
+    # A plain step's packed roots depend only on which slots are live: the last one packed is
+    # kept (as its one wire array) and reused while they stay the same, most plain steps.
+    self._plain_wire: tuple[tuple, np.ndarray] | None = None
     self.drafter = drafter
     self.costs = CostModel()
     self.stats = EngineStats()
@@ -161,9 +164,20 @@ class RolloutEngine:
     """One jitted verify step (`step.verify_step`) with this engine's params: the new state and
     the step's outputs as one array (`step.to_wire`; `step.from_wire` reads it), the trees
     crossing to the device as one array too (`PackedTrees.wire`)."""
-    return self._verify_fn(self._leaves, state, trees.wire(), self._seed, filters=filters,
+    return self._verify_wire(state, trees.wire(), filters, max_kv_len, max_q_len)
+
+  def _verify_wire(self, state: step.DecodeState, wire: np.ndarray, filters: bool,
+                   max_kv_len: int, max_q_len: int):
+    return self._verify_fn(self._leaves, state, wire, self._seed, filters=filters,
                            max_kv_len=max_kv_len, max_q_len=max_q_len,
                            attention_impl=self.attention_impl)
+
+  def _plain_roots(self, live_B: list[bool]) -> np.ndarray:
+    """The wire array of a plain step over the live slots `live_B` (`_plain_wire`)."""
+    key = tuple(live_B)
+    if self._plain_wire is None or self._plain_wire[0] != key:
+      self._plain_wire = key, accept.pack([None] * len(key), key, len(key)).wire()
+    return self._plain_wire[1]
 
   def bucket_for(self, n: int) -> int:
     """The smallest bucket holding n requests (the largest bucket if none does)."""
@@ -348,36 +362,43 @@ class RolloutEngine:
         for lv, tree in zip(st.ahead_rows, wide_trees):
           lv.ahead, lv.ahead_from = tree, len(lv.tokens)
       asked = st.shape[2] > 1 or st.asked
-      accepted = 0
+      # The step's totals, added to stats once: rows counted when read (a discarded pipelined
+      # row is not useful), tokens as kept (up to a row's end)
+      accepted = useful = drafted_all = kept = 0
+      eos_ids, drafter = cfg.eos_ids, self.drafter
       for slot, lv, drafted, depth, offered, expected in st.rows:
         if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
           continue
         emitted = num_B[slot]
         lv.steps += 1
-        stats.useful_slot_steps += 1  # counted when read: a discarded pipelined row is not useful
+        useful += 1
         lv.drafted += drafted
         lv.accepted += emitted - 1
-        stats.drafted += drafted
-        stats.accepted += emitted - 1
+        drafted_all += drafted
         accepted += emitted - 1
         if asked and depth >= 0:
           self.costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
-        reason, new = None, []
+        row, row_logp = tokens_BxT[slot], logp_BxT[slot]
+        reason, n = None, emitted
         for k in range(emitted):
-          lv.tokens.append(tokens_BxT[slot][k])
-          lv.logprobs.append(logp_BxT[slot][k])
-          new.append(lv.tokens[-1])
-          reason = lv.finish_reason(cfg.eos_ids)
+          lv.tokens.append(row[k])
+          lv.logprobs.append(row_logp[k])
+          reason = lv.finish_reason(eos_ids)
           if reason:
+            n = k + 1
             break
-        stats.tokens += len(new)
+        kept += n
         if tracking:
           live_len[lv.req.request_id] = len(lv.tokens)
-        if self.drafter is not None:
-          self.drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(new, np.int32),
-                               drafted, emitted - 1)
+        if drafter is not None:
+          drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(row[:n], np.int32),
+                          drafted, emitted - 1)
         if reason:
           finish(slot, lv, reason)
+      stats.useful_slot_steps += useful
+      stats.drafted += drafted_all
+      stats.accepted += accepted
+      stats.tokens += kept
       if st.ask_gain is not None:  # "auto" weighed asking for drafts for this step
         if st.asked:
           self.costs.observe_asked(st.ask_gain, accepted)
@@ -498,9 +519,11 @@ class RolloutEngine:
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
       live_B = [slots[i] is not None for i in range(bucket)]
-      packed = accept.pack(trees, live_B, p)
+      wire = (self._plain_roots(live_B) if t == 1 and not any(counts) else
+              accept.pack(trees, live_B, p).wire())
       tv = time.perf_counter()
-      state, out = self.verify(state, packed, filters, s, t)
+      state, out = self._verify_wire(state, wire, filters, s, t)
+      out.copy_to_host_async()  # queued behind the step: its outputs are on the host when read
       now = time.perf_counter()
       stats.dispatch_time_s += now - tv
       host_s = now - host_from[0] - (stats.device_time_s - host_from[1])

@@ -353,3 +353,27 @@ def test_a_plain_step_moves_one_array_to_the_device(tiny_model):
                        (out.tokens_BxT, out.logprobs_BxT, out.num_emitted_B)):
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_a_plain_steps_roots_are_packed_once_per_live_pattern(tiny_model):
+  """Plain steps reuse the wire array of the last live pattern (packing was a fifth of the
+  host's time per step): it equals a fresh pack of that pattern, and a new pattern packs anew."""
+  from rhyme_jax.rollout import accept
+  eng = engine(tiny_model, NoDrafts(), budget=0)
+  packs = []
+  real_pack = accept.pack
+
+  def counted(*args):
+    packs.append(args[1])
+    return real_pack(*args)
+
+  patterns = [[True] * 4, [True] * 4, [True, False, True, True], [True] * 4]
+  try:
+    accept.pack = counted
+    wires = [eng._plain_roots(live) for live in patterns]
+  finally:
+    accept.pack = real_pack
+  assert [tuple(p) for p in packs] == [tuple(patterns[i]) for i in (0, 2, 3)]
+  assert wires[1] is wires[0]
+  for live, wire in zip(patterns, wires):
+    np.testing.assert_array_equal(wire, real_pack([None] * 4, live, 4).wire())
