@@ -152,3 +152,14 @@ def test_worker_deadline_kills_and_recovers():
   assert time.monotonic() - start < 30
   # A new worker replaces the killed one.
   assert math_verify_reward.call_in_worker(abs, (-3,), deadline_s=60.0) == 3
+
+
+def test_the_worker_pool_shuts_down_and_restarts():
+  """`shutdown_pool` (also run at exit, before the interpreter's teardown) stops the worker
+  process and drops the pool; the next call starts a new one."""
+  assert math_verify_reward.call_in_worker(abs, (-4,), deadline_s=60.0) == 4
+  procs = list(math_verify_reward._POOL._processes.values())
+  assert procs and all(p.is_alive() for p in procs)
+  math_verify_reward.shutdown_pool()
+  assert math_verify_reward._POOL is None and not any(p.is_alive() for p in procs)
+  assert math_verify_reward.call_in_worker(abs, (-5,), deadline_s=60.0) == 5

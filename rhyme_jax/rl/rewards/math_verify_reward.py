@@ -11,6 +11,7 @@ Either way a hung or failing check scores 0 instead of stalling or crashing the 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import multiprocessing
@@ -82,6 +83,20 @@ def _pool() -> concurrent.futures.ProcessPoolExecutor:
       _POOL = concurrent.futures.ProcessPoolExecutor(
           max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     return _POOL
+
+
+def shutdown_pool() -> None:
+  """Stops the worker process and drops the pool (the next call starts a new one). Runs at
+  exit, while the modules its executor's callbacks use are still loaded: an executor left for
+  the interpreter's teardown to collect prints an "Exception ignored" traceback there."""
+  global _POOL
+  with _POOL_LOCK:
+    pool, _POOL = _POOL, None
+  if pool is not None:
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+atexit.register(shutdown_pool)
 
 
 def _kill_pool() -> None:
