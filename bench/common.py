@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import platform
@@ -78,6 +79,21 @@ def append_results(title: str, table: str, notes: Sequence[str] = (), command: s
   with open(path, "a") as f:
     f.write(text)
   return text
+
+
+def profiled(fn: Callable[[], object], title: str, top: int = 40,
+             keys: Sequence[str] = ("tottime", "cumulative")) -> str:
+  """Runs `fn` under cProfile: `title`, then the `top` functions by each of `keys` (own time,
+  cumulative time), as text: where the host's time goes, blocking calls included."""
+  import cProfile
+  import pstats
+  prof = cProfile.Profile()
+  prof.runcall(fn)
+  out = io.StringIO()
+  out.write(f"{title}\n")
+  for key in keys:
+    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+  return out.getvalue()
 
 
 def host_to_device_transfers(run: Callable[[], object]) -> int:

@@ -20,10 +20,7 @@ SmolLM2-135M's shapes by default (timing does not depend on the values).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -104,15 +101,12 @@ def main(argv=None):
       reqs = [Request(i, rng.integers(10, cfg.vocab_size, args.prompt_len).tolist(),
                       SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens))
               for i in range(bucket)]
-      prof = cProfile.Profile() if args.profile and bucket == max(args.buckets) else None
-      if prof:
-        prof.enable()
-      engine.generate(reqs)
-      if prof:
-        prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-        profile_text += f"\n--- B={bucket}, budget {budget} ---\n" + s.getvalue()
+      if args.profile and bucket == max(args.buckets):
+        profile_text += common.profiled(lambda: engine.generate(reqs),
+                                        f"\n--- B={bucket}, budget {budget} ---", top=18,
+                                        keys=("tottime",))
+      else:
+        engine.generate(reqs)
       st = engine.stats
       n = max(st.steps, 1)
       step_ms = 1e3 * (st.total_time_s - st.prefill_time_s) / n

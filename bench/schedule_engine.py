@@ -158,21 +158,6 @@ def host_parts_ms(st) -> dict[str, float]:
   return {k: 1e3 * v / n for k, v in parts.items()}
 
 
-def profiled(fn, title: str, top: int = 40) -> str:
-  """Runs `fn` under cProfile: the `top` functions by own time and by cumulative time, as
-  text (where the host's time per step goes, blocking calls included)."""
-  import cProfile
-  import io
-  import pstats
-  prof = cProfile.Profile()
-  prof.runcall(fn)
-  out = io.StringIO()
-  out.write(f"{title}\n")
-  for key in ("tottime", "cumulative"):
-    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
-  return out.getvalue()
-
-
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -272,7 +257,7 @@ def main(argv=None):
     for name in args.policies:
       path = os.path.join(args.profile, f"profile_{name}.txt")
       with open(path, "w") as f:
-        f.write(profiled(lambda: run(name), f"{name}: one epoch-1 rollout under cProfile"))
+        f.write(common.profiled(lambda: run(name), f"{name}: one epoch-1 rollout under cProfile"))
       print(f"[schedule_engine] host profile of {name}: {path}", flush=True)
   engine.config = cfg
   ref = best.get("oracle")

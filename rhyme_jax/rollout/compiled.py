@@ -33,7 +33,7 @@ def counted(kind, fn):
 
 @functools.lru_cache(maxsize=16)
 def model_fns(graphdef, treedef):
-  """Verify and prefill jitted for one model structure, taking the params as a flat list
+  """Verify and prefill jitted for one model structure, taking the params as a flat list.
   Arrays cross between host and device one per call each way: verify takes its packed trees
   as `PackedTrees.wire()` and returns the new state and its outputs as `step.to_wire`'s one
   array, prefill takes one (slot, start, chunk...) array.

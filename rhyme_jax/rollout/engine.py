@@ -172,11 +172,10 @@ class RolloutEngine:
                            max_kv_len=max_kv_len, max_q_len=max_q_len,
                            attention_impl=self.attention_impl)
 
-  def _plain_roots(self, live_B: list[bool]) -> np.ndarray:
+  def _plain_roots(self, live_B: tuple[bool, ...]) -> np.ndarray:
     """The wire array of a plain step over the live slots `live_B` (`_plain_wire`)."""
-    key = tuple(live_B)
-    if self._plain_wire is None or self._plain_wire[0] != key:
-      self._plain_wire = key, accept.pack([None] * len(key), key, len(key)).wire()
+    if self._plain_wire is None or self._plain_wire[0] != live_B:
+      self._plain_wire = live_B, accept.pack([None] * len(live_B), live_B, len(live_B)).wire()
     return self._plain_wire[1]
 
   def bucket_for(self, n: int) -> int:
@@ -518,7 +517,7 @@ class RolloutEngine:
       draft_s = time.perf_counter() - td
       stats.draft_time_s += draft_s
       s = self._kv_len_for(longest + in_flight + t)
-      live_B = [slots[i] is not None for i in range(bucket)]
+      live_B = tuple(slots[i] is not None for i in range(bucket))
       wire = (self._plain_roots(live_B) if t == 1 and not any(counts) else
               accept.pack(trees, live_B, p).wire())
       tv = time.perf_counter()

@@ -370,7 +370,7 @@ def test_a_plain_steps_roots_are_packed_once_per_live_pattern(tiny_model):
   patterns = [[True] * 4, [True] * 4, [True, False, True, True], [True] * 4]
   try:
     accept.pack = counted
-    wires = [eng._plain_roots(live) for live in patterns]
+    wires = [eng._plain_roots(tuple(live)) for live in patterns]
   finally:
     accept.pack = real_pack
   assert [tuple(p) for p in packs] == [tuple(patterns[i]) for i in (0, 2, 3)]

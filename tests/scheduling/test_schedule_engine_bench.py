@@ -71,5 +71,6 @@ def test_host_parts_split_host_time_per_step():
 def test_profiled_names_the_busiest_function():
   def busy():
     return sum(i * i for i in range(200_000))
-  text = schedule_engine.profiled(busy, "a title", top=5)
+  from bench import common  # schedule_engine --profile and engine_overhead --profile use it
+  text = common.profiled(busy, "a title", top=5)
   assert text.startswith("a title\n") and "busy" in text and "genexpr" in text

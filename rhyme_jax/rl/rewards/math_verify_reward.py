@@ -85,13 +85,19 @@ def _pool() -> concurrent.futures.ProcessPoolExecutor:
     return _POOL
 
 
-def shutdown_pool() -> None:
-  """Stops the worker process and drops the pool (the next call starts a new one). Runs at
-  exit, while the modules its executor's callbacks use are still loaded: an executor left for
-  the interpreter's teardown to collect prints an "Exception ignored" traceback there."""
+def _take_pool() -> concurrent.futures.ProcessPoolExecutor | None:
+  """The pool, now dropped (the next call starts a new one); None if there was none."""
   global _POOL
   with _POOL_LOCK:
     pool, _POOL = _POOL, None
+  return pool
+
+
+def shutdown_pool() -> None:
+  """Stops the worker process and drops the pool. Runs at exit, while the modules its
+  executor's callbacks use are still loaded: an executor left for the interpreter's teardown
+  to collect prints an "Exception ignored" traceback there."""
+  pool = _take_pool()
   if pool is not None:
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -101,9 +107,7 @@ atexit.register(shutdown_pool)
 
 def _kill_pool() -> None:
   """Terminate the worker process (it overran its deadline); the next call starts a new one."""
-  global _POOL
-  with _POOL_LOCK:
-    pool, _POOL = _POOL, None
+  pool = _take_pool()
   if pool is not None:
     for proc in list(getattr(pool, "_processes", {}).values()):
       proc.kill()
