@@ -50,6 +50,7 @@ def parse_args(argv=None):
   p.add_argument("--profile", action="store_true",
                  help="print the top host functions of the largest engine run (cProfile)")
   p.add_argument("--no_append", action="store_true")
+  p.add_argument("--note", action="append", default=[], help="a line for RESULTS.md (repeatable)")
   args = p.parse_args(argv)
   args.buckets = tuple(int(x) for x in args.buckets.split(","))
   args.budgets = tuple(int(x) for x in args.budgets.split(","))
@@ -57,7 +58,9 @@ def parse_args(argv=None):
 
 
 def bare_times(engine, bucket, budget, reps):
-  """(sync ms, async ms) per verify step on one state (empty trees, as the engine runs them)."""
+  """(sync ms, async ms, dispatch ms) per verify step on one state (empty trees, as the engine
+  runs them); dispatch = the host's time in the call itself while steps queue back to back
+  (on a GPU: what launching a step costs the host, the floor of the engine's host time)."""
   state = engine._admit(engine._new_state(bucket),
                         [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
                          for i in range(bucket)])
@@ -72,11 +75,13 @@ def bare_times(engine, bucket, budget, reps):
     state, out = step(state)
     jax.device_get(out)  # the step's outputs, as the engine reads them
   sync = (time.perf_counter() - t0) / reps
-  t0 = time.perf_counter()
+  t0, dispatch = time.perf_counter(), 0.0
   for _ in range(reps):
+    td = time.perf_counter()
     state, out = step(state)
+    dispatch += time.perf_counter() - td
   jax.block_until_ready((state, out))
-  return 1e3 * sync, 1e3 * (time.perf_counter() - t0) / reps
+  return 1e3 * sync, 1e3 * (time.perf_counter() - t0) / reps, 1e3 * dispatch / reps
 
 
 def main(argv=None):
@@ -97,7 +102,7 @@ def main(argv=None):
     engine.warmup()
     print(f"[overhead] budget {budget}: warm-up {time.perf_counter() - t0:.1f}s", flush=True)
     for bucket in args.buckets:
-      sync_ms, async_ms = bare_times(engine, bucket, budget, args.reps)
+      sync_ms, async_ms, dispatch_ms = bare_times(engine, bucket, budget, args.reps)
       reqs = [Request(i, rng.integers(10, cfg.vocab_size, args.prompt_len).tolist(),
                       SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens))
               for i in range(bucket)]
@@ -111,13 +116,14 @@ def main(argv=None):
       n = max(st.steps, 1)
       step_ms = 1e3 * (st.total_time_s - st.prefill_time_s) / n
       draft_ms, device_ms = 1e3 * st.draft_time_s / n, 1e3 * st.device_time_s / n
-      rows.append([bucket, budget, f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{step_ms:.2f}",
+      rows.append([bucket, budget, f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{dispatch_ms:.3f}",
+                   f"{1e3 * st.dispatch_time_s / n:.3f}", f"{step_ms:.2f}",
                    f"{draft_ms:.2f}", f"{device_ms:.2f}", f"{step_ms - draft_ms - device_ms:.2f}",
                    f"{step_ms / async_ms:.2f}x"])
       print(f"[overhead] B={bucket} T={budget}: bare {async_ms:.2f} ms (sync {sync_ms:.2f}), "
             f"engine {step_ms:.2f} ms/step", flush=True)
   headers = ["batch", "budget", "bare ms/step (async)", "bare ms/step (sync)",
-             "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
+             "bare dispatch ms (host)", "engine dispatch ms (host)", "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
              "engine / bare"]
   table = common.markdown_table(headers, rows)
   print(table)
@@ -130,7 +136,10 @@ def main(argv=None):
         f"through the budget's verify shape), T=1.0",
         "bare async = device time per step (calls queued back to back); bare sync = one call "
         "and a wait per step; engine = generate's time per decode step (prefill excluded): "
-        "host work before the dispatch + dispatch-to-outputs + host work after the outputs"])
+        "host work before the dispatch + dispatch-to-outputs + host work after the outputs",
+        "dispatch ms (host) = the host's time inside the step call alone (bare: calls queued "
+        "back to back; engine: EngineStats.dispatch_time_s per step): launching a step, the "
+        "floor of the host's work per step", *args.note])
 
 
 if __name__ == "__main__":

@@ -32,10 +32,6 @@ BOTTOM_ALLOWED = {("plot", "metrics")}
 
 MAX_LINES = 400
 LONGER_ALLOWED = {  # module -> why it may be longer (keep this list short)
-    "rhyme_jax/rollout/engine.py": "the step loop (`generate`) and its slot bookkeeping are "
-                                   "one state machine; its interface types (interface.py), "
-                                   "compiled functions (compiled.py) and warm-up (warmup.py) "
-                                   "live apart",
     "rhyme_jax/history/fast_draft.py": "the numba kernels of batched drafting (index, match, "
                                        "best-first tree) and their buffers: one compiled unit",
     "rhyme_jax/config.py": "every flag of a run (dataclass field, default, help, check) in one "

@@ -1,6 +1,6 @@
 """The engine's narrow interface: requests in, results out, its static config and its counters.
 
-Kept apart from the step loop (engine.py) so the trainer, benches and schedulers can build
+Kept apart from the engine and its loop (engine.py, loop.py) so the trainer, benches and schedulers can build
 requests and configs, and read stats, without the loop's internals.
 """
 

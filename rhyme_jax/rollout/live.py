@@ -2,7 +2,7 @@
 
 `LiveRequest` is one admitted request's host-side record: tokens and log-probs so far, the
 counters its result reports, the tree drafted ahead for it, and its divided-rollout marks. The
-engine's loop (engine.py) owns the slots; these helpers hold what each request alone decides:
+rollout loop (loop.py) owns the slots; these helpers hold what each request alone decides:
 whether it can run (`validate`), whether it has finished (`finish_reason`), what the drafter
 sees of it (`query`).
 """
