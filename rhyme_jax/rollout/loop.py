@@ -147,8 +147,9 @@ class Rollout:
                              else (False, None))
       shrinks = not self.queue and engine.bucket_for(len(live_idx)) < self.bucket
       if self.pending is not None and (speculate or shrinks or not cfg.pipeline or not live_idx):
-        self._process(self.pending, blocking=True)  # drafts need the emitted tokens, moves a
-        self.pending = None                          # quiet state
+        # Drafts need the step's emitted tokens, a bucket move a quiet state: read it now.
+        self._process(self.pending, blocking=True)
+        self.pending = None
         continue
       if not live_idx:
         break
