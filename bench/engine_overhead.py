@@ -59,8 +59,9 @@ def parse_args(argv=None):
 
 def bare_times(engine, bucket, budget, reps):
   """(sync ms, async ms, dispatch ms) per verify step on one state (empty trees, as the engine
-  runs them); dispatch = the host's time in the call itself while steps queue back to back
-  (on a GPU: what launching a step costs the host, the floor of the engine's host time)."""
+  runs them); dispatch = the host's time in the call itself with nothing queued (the sync
+  loop; queued back to back, a call can also wait for room in the device's queue): what
+  launching a step costs the host, the floor of the engine's host time per step."""
   state = engine._admit(engine._new_state(bucket),
                         [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
                          for i in range(bucket)])
@@ -70,16 +71,16 @@ def bare_times(engine, bucket, budget, reps):
   for _ in range(3):
     state, out = step(state)
   jax.block_until_ready(out)
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    state, out = step(state)
-    jax.device_get(out)  # the step's outputs, as the engine reads them
-  sync = (time.perf_counter() - t0) / reps
   t0, dispatch = time.perf_counter(), 0.0
   for _ in range(reps):
     td = time.perf_counter()
-    state, out = step(state)
+    state, out = step(state)  # nothing queued: the call's time is the launch alone
     dispatch += time.perf_counter() - td
+    jax.device_get(out)  # the step's outputs, as the engine reads them
+  sync = (time.perf_counter() - t0) / reps
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    state, out = step(state)
   jax.block_until_ready((state, out))
   return 1e3 * sync, 1e3 * (time.perf_counter() - t0) / reps, 1e3 * dispatch / reps
 
@@ -123,7 +124,7 @@ def main(argv=None):
       print(f"[overhead] B={bucket} T={budget}: bare {async_ms:.2f} ms (sync {sync_ms:.2f}), "
             f"engine {step_ms:.2f} ms/step", flush=True)
   headers = ["batch", "budget", "bare ms/step (async)", "bare ms/step (sync)",
-             "bare dispatch ms (host)", "engine dispatch ms (host)", "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
+             "bare dispatch ms (host, nothing queued)", "engine dispatch ms (host)", "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
              "engine / bare"]
   table = common.markdown_table(headers, rows)
   print(table)
@@ -137,9 +138,9 @@ def main(argv=None):
         "bare async = device time per step (calls queued back to back); bare sync = one call "
         "and a wait per step; engine = generate's time per decode step (prefill excluded): "
         "host work before the dispatch + dispatch-to-outputs + host work after the outputs",
-        "dispatch ms (host) = the host's time inside the step call alone (bare: calls queued "
-        "back to back; engine: EngineStats.dispatch_time_s per step): launching a step, the "
-        "floor of the host's work per step", *args.note])
+        "dispatch ms (host) = the host's time inside the step call alone (bare: with nothing "
+        "queued, in the sync loop, i.e. launching a step, the floor of the host's work per "
+        "step; engine: EngineStats.dispatch_time_s per step, the previous step in flight)", *args.note])
 
 
 if __name__ == "__main__":
