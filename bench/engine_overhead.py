@@ -124,7 +124,8 @@ def main(argv=None):
       print(f"[overhead] B={bucket} T={budget}: bare {async_ms:.2f} ms (sync {sync_ms:.2f}), "
             f"engine {step_ms:.2f} ms/step", flush=True)
   headers = ["batch", "budget", "bare ms/step (async)", "bare ms/step (sync)",
-             "bare dispatch ms (host, nothing queued)", "engine dispatch ms (host)", "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
+             "bare dispatch ms (host, nothing queued)", "engine dispatch ms (host)",
+             "engine ms/step", "before dispatch", "dispatch to outputs", "after outputs",
              "engine / bare"]
   table = common.markdown_table(headers, rows)
   print(table)
@@ -140,7 +141,8 @@ def main(argv=None):
         "host work before the dispatch + dispatch-to-outputs + host work after the outputs",
         "dispatch ms (host) = the host's time inside the step call alone (bare: with nothing "
         "queued, in the sync loop, i.e. launching a step, the floor of the host's work per "
-        "step; engine: EngineStats.dispatch_time_s per step, the previous step in flight)", *args.note])
+        "step; engine: EngineStats.dispatch_time_s per step, the previous step in flight)",
+        *args.note])
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ class RolloutEngine:
       return False, 0.0
     return True, float(sum(v[:n].sum() for v, n in zip(values, take)))
 
-  def _draft(self, bucket: int, slots: list, live_idx: list[int], context: int, stats,
+  def _draft(self, bucket: int, slots: list, live_idx: list[int], context: int,
              lookahead: bool, ahead_only: bool):
     """Asks the drafter for every live row and lets the cost model pick the step's shape and
     each row's nodes. `context`: the longest row's length, tokens in flight included;
@@ -236,7 +236,7 @@ class RolloutEngine:
     `ahead_only`: rows without a tree drafted ahead get none. Returns (trees per slot, per slot
     (drafted nodes, verified depth (-1: nothing to learn), drafter probabilities summed per
     depth, expected gain), packed size P, tokens per row T, the queries to draft ahead)."""
-    cfg = self.config
+    cfg, stats = self.config, self.stats  # stats: the running rollout's (loop.Rollout sets it)
     shapes = cfg.spec_shapes(bucket)
     cap = max(t for _, t in shapes) - 1
     queries, wide = [], []

@@ -1,7 +1,7 @@
 """The engine's narrow interface: requests in, results out, its static config and its counters.
 
-Kept apart from the engine and its loop (engine.py, loop.py) so the trainer, benches and schedulers can build
-requests and configs, and read stats, without the loop's internals.
+Kept apart from the engine and its loop (engine.py, loop.py) so the trainer, benches and
+schedulers can build requests and configs, and read stats, without the loop's internals.
 """
 
 from __future__ import annotations

@@ -236,8 +236,8 @@ class Rollout:
     wide, drafted = [], 0
     if speculate:
       td = time.perf_counter()
-      trees, per_slot, p, t, wide = engine._draft(
-          bucket, slots, live_idx, longest + in_flight, stats, self.overlap, self.ahead_only)
+      trees, per_slot, p, t, wide = engine._draft(bucket, slots, live_idx, longest + in_flight,
+                                                  self.overlap, self.ahead_only)
       stats.draft_time_s += time.perf_counter() - td
       rows = [(i, slots[i], *per_slot[i]) for i in live_idx]
       drafted = sum(r[2] for r in rows)
