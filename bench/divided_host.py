@@ -51,12 +51,23 @@ def parse_args(argv=None):
   p.add_argument("--yield_steps", type=float, default=0.08,
                  help="a yield's cost in decode steps, as the order weighs it (the H100's "
                       "warm-up timed 0.065-0.099)")
+  p.add_argument("--multi_step", default="1",
+                 help="comma list of plain decode steps per launch (EngineConfig.multi_step); "
+                      "every policy runs at each, on an engine of its own (this tree only)")
   p.add_argument("--no_append", action="store_true")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
   for flag in ("rounds", "divide_every"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
+  try:
+    args.multi_step = [int(k) for k in args.multi_step.split(",")]
+  except ValueError:
+    p.error(f"--multi_step={args.multi_step}: expected a comma list of integers")
+  if not all(1 <= k <= 64 for k in args.multi_step):
+    p.error(f"--multi_step={','.join(map(str, args.multi_step))}: each must be in [1, 64]")
+  if args.old and args.multi_step != [1]:
+    p.error("--multi_step: only 1 with --old (older checkouts may not have multi-step launches)")
   if not args.yield_steps >= 0:
     p.error(f"--yield_steps={args.yield_steps}: must be >= 0")
   return args
@@ -80,11 +91,15 @@ def measure(code: str, args) -> list[dict]:
   cfg = EngineConfig(max_len=48 + MAX_NEW, buckets=(32, 16, 8, 4, 2, 1), max_draft=0,
                      speculate="never", eos_ids=(3,), divide_every=args.divide_every,
                      park_rows=PROMPTS * GROUP, seed=0)
-  engine = RolloutEngine(model, cfg)
-  engine.warmup()
-  # The yield cost the order weighs (engine.yield_steps = one / a plain largest-bucket step)
-  plain = engine.costs.warm[(SLOTS, SLOTS, 1, engine.kv_lengths[-1])]
-  engine.yield_cost = dataclasses.replace(engine.yield_cost, one=args.yield_steps * plain)
+  engines = {}
+  for k in args.multi_step:  # an engine per launch length, each compiled at its warm-up
+    engine = engines[k] = RolloutEngine(
+        model, dataclasses.replace(cfg, multi_step=k) if k > 1 else cfg)
+    engine.warmup()
+    # The yield cost the order weighs (engine.yield_steps = one / a plain largest-bucket step)
+    plain = engine.costs.warm[(SLOTS, SLOTS, 1, engine.kv_lengths[-1])]
+    engine.yield_cost = dataclasses.replace(engine.yield_cost, one=args.yield_steps * plain)
+  engine = engines[args.multi_step[0]]
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 192, 40).tolist() for _ in range(PROMPTS)]
   params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
@@ -98,38 +113,46 @@ def measure(code: str, args) -> list[dict]:
   for i in range(PROMPTS):
     table.add(i, 0, [len(r.tokens) for r in first[i * GROUP:(i + 1) * GROUP]])
   true_lengths = {r.request_id: len(r.tokens) for r in engine.generate(requests(1))}
-  def run(name):
+  def run(combo):
+    name, k = combo
     policy = (make_policy("oracle", true_lengths=true_lengths) if name == "oracle" else
               make_policy("fifo") if name == "fifo" else
               make_policy("history_residual", predictor=LengthPredictor(table)))
+    eng = engines[k]
     divided = name.endswith("+divided")
-    engine.config = cfg if divided else dataclasses.replace(cfg, divide_every=0)
-    engine.generate(requests(1), admission=EngineOrder(policy))
+    eng.config = dataclasses.replace(eng.config, divide_every=cfg.divide_every if divided else 0)
+    eng.generate(requests(1), admission=EngineOrder(policy))
+    return eng.stats
 
+  combos = [(name, k) for k in args.multi_step for name in POLICIES]
   # Transfers, in one untimed run per policy (logging them costs host time)
-  moved = {name: common.host_to_device_transfers(lambda: run(name)) / engine.stats.steps
-           for name in POLICIES}
-  runs = {name: [] for name in POLICIES}
+  moved = {}
+  for combo in combos:
+    n = common.host_to_device_transfers(lambda: run(combo))
+    moved[combo] = n / engines[combo[1]].stats.steps
+  runs = {combo: [] for combo in combos}
   for _ in range(args.rounds):
-    for name in POLICIES:
+    for combo in combos:
       cpu = time.thread_time()
-      run(name)
+      st = run(combo)
       cpu = time.thread_time() - cpu
-      st = engine.stats
       per_pass = host_by_event(st.timeline)
-      runs[name].append(dict(
-          step=st.host_s_per_step, cpu=cpu / st.steps,
-          steps=st.steps, yields=st.yields, passes=st.yield_passes, h2d=moved[name],
+      runs[combo].append(dict(
+          step=st.host_s_per_step, cpu=cpu / st.steps, steps=st.steps,
+          launches=getattr(st, "launches", st.steps), waits=st.host_waits / st.steps,
+          yields=st.yields, passes=st.yield_passes, h2d=moved[combo],
           **{f"pass_{kind}": v for kind, v in per_pass.items()},
           **({f"part_{k}": v for k, v in host_parts_ms(st).items()} if host_parts_ms else {})))
-  return [dict(policy=name, **{k: float(np.median([r[k] for r in runs[name]]))
-                               for k in runs[name][0]}) for name in POLICIES]
+  return [dict(policy=name if k == 1 else f"{name}, {k} steps/launch",
+               **{key: float(np.median([r[key] for r in runs[(name, k)]]))
+                  for key in runs[(name, k)][0]}) for name, k in combos]
 
 
 def main(argv=None):
   args = parse_args(argv)
   worker_argv = [f"--rounds={args.rounds}", f"--divide_every={args.divide_every}",
-                 f"--yield_steps={args.yield_steps}"]
+                 f"--yield_steps={args.yield_steps}",
+                 f"--multi_step={','.join(map(str, args.multi_step))}"]
   out = common.per_checkout(__file__, args, lambda code: measure(code, args), HERE,
                             worker_argv)
   if out is None:
@@ -139,7 +162,8 @@ def main(argv=None):
   for code, meds in zip(codes, out):
     base = {m["policy"]: m for m in meds}["oracle"]
     for med in meds:
-      rows.append([code, med["policy"], f"{med['steps']:.0f}", f"{med['yields']:.0f}",
+      rows.append([code, med["policy"], f"{med['steps']:.0f}", f"{med['launches']:.0f}",
+                   f"{1e3 * med['waits']:.1f}", f"{med['yields']:.0f}",
                    f"{med['passes']:.0f}", f"{med['h2d']:.2f}", f"{1e6 * med['step']:.0f}",
                    f"{1e6 * med['cpu']:.0f}", f"{med['cpu'] / base['cpu']:.2f}",
                    f"{1e6 * med['pass_plain']:.0f}",
@@ -147,7 +171,8 @@ def main(argv=None):
                    f"{1e6 * med['pass_yields']:.0f}" if med["passes"] else "-",
                    f"{1e6 * med['pass_prefill']:.0f}"])
   table_md = common.markdown_table(
-      ["code", "policy", "decode steps", "yields", "yield passes",
+      ["code", "policy", "decode steps", "launches", "blocking reads / 1000 steps", "yields",
+       "yield passes",
        "host-to-device transfers / step", "host us / step",
        "host CPU us / step", "CPU / oracle's", "host us / plain pass", "plain pass / oracle's",
        "host us / yield pass", "host us / prefill pass"], rows)
@@ -185,6 +210,9 @@ def main(argv=None):
          "decode steps' dispatch calls, admissions (prefill, resume copies, slot loading), "
          "yield checks and parks, reading step outputs, the rest (planning, packing, the "
          "loop); CPU = the thread's CPU time per step over the whole generate call",
+         "launches = compiled decode calls (EngineConfig.multi_step: 'k steps/launch' rows run "
+         "up to k plain steps per call, on an engine of their own); blocking reads = reads of "
+         "step outputs with no later launch queued (the device idles), per 1000 decode steps",
          f"residual+divided: asked every {args.divide_every} tokens, a yield weighed at "
          f"{args.yield_steps} decode steps (fixed, so every process makes the same yields)",
          *args.note])

@@ -13,6 +13,10 @@ The gap between engine and bare-async is host time the device sits idle for: wha
 host work with the device can win, and what a step costs beyond the model. Random weights with
 SmolLM2-135M's shapes by default (timing does not depend on the values).
 
+`--multi_step K` adds, for budget 0, rows where an engine launches K plain steps per compiled
+call (EngineConfig.multi_step): bare times per decode step of the K-step call, and the
+engine's time per decode step with it (the host's work per launch spread over K steps).
+
   python bench/engine_overhead.py --buckets 1,8 --budgets 0,8 --new_tokens 32   # CPU
   python bench/engine_overhead.py --buckets 1,8,64 --budgets 0,16 --dtype bfloat16  # a GPU
 """
@@ -47,6 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--reps", type=int, default=20, help="bare steps timed per measurement")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="default float32 on cpu, else bfloat16")
+  p.add_argument("--multi_step", type=int, default=1,
+                 help="also time budget 0 with this many plain steps per launch (> 1)")
   p.add_argument("--profile", action="store_true",
                  help="print the top host functions of the largest engine run (cProfile)")
   p.add_argument("--no_append", action="store_true")
@@ -54,20 +60,23 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   args.buckets = tuple(int(x) for x in args.buckets.split(","))
   args.budgets = tuple(int(x) for x in args.budgets.split(","))
+  if not 1 <= args.multi_step <= 64:
+    p.error(f"--multi_step={args.multi_step}: must be in [1, 64]")
   return args
 
 
-def bare_times(engine, bucket, budget, reps):
+def bare_times(engine, bucket, budget, reps, steps=1):
   """(sync ms, async ms, dispatch ms) per verify step on one state (empty trees, as the engine
   runs them); dispatch = the host's time in the call itself with nothing queued (the sync
   loop; queued back to back, a call can also wait for room in the device's queue): what
-  launching a step costs the host, the floor of the engine's host time per step."""
+  launching a step costs the host, the floor of the engine's host time per step. `steps` > 1:
+  calls of that many plain steps, every figure per decode step."""
   state = engine._admit(engine._new_state(bucket),
                         [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
                          for i in range(bucket)])
   p, t = engine.shapes(bucket)[-1]
-  trees = accept.pack([None] * bucket, [True] * bucket, p)
-  step = lambda s: engine.verify(s, trees, False, engine.config.cache_len, t)
+  wire = accept.pack([None] * bucket, [True] * bucket, p).wire()
+  step = lambda s: engine._verify_wire(s, wire, False, engine.config.cache_len, t, steps)
   for _ in range(3):
     state, out = step(state)
   jax.block_until_ready(out)
@@ -82,7 +91,8 @@ def bare_times(engine, bucket, budget, reps):
   for _ in range(reps):
     state, out = step(state)
   jax.block_until_ready((state, out))
-  return 1e3 * sync, 1e3 * (time.perf_counter() - t0) / reps, 1e3 * dispatch / reps
+  per = 1e3 / (reps * steps)
+  return sync * 1e3 / steps, (time.perf_counter() - t0) * per, dispatch * per
 
 
 def main(argv=None):
@@ -94,16 +104,21 @@ def main(argv=None):
         f"{dtype}", flush=True)
   rng = np.random.default_rng(0)
   rows, profile_text = [], ""
-  for budget in args.budgets:
+  runs = [(b, 1) for b in args.budgets]
+  if args.multi_step > 1 and 0 in args.budgets:
+    runs.append((0, args.multi_step))
+  for budget, k in runs:
     ecfg = EngineConfig(max_len=args.prompt_len + args.new_tokens, buckets=args.buckets,
                         max_draft=budget, speculate="always" if budget else "never",
-                        pack_factors=(budget + 1,) if budget else (2,), eos_ids=())
+                        pack_factors=(budget + 1,) if budget else (2,), eos_ids=(),
+                        multi_step=k)
     engine = RolloutEngine(model, ecfg, NoDrafts())
     t0 = time.perf_counter()
     engine.warmup()
-    print(f"[overhead] budget {budget}: warm-up {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"[overhead] budget {budget}, {k} step(s)/launch: warm-up "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
     for bucket in args.buckets:
-      sync_ms, async_ms, dispatch_ms = bare_times(engine, bucket, budget, args.reps)
+      sync_ms, async_ms, dispatch_ms = bare_times(engine, bucket, budget, args.reps, k)
       reqs = [Request(i, rng.integers(10, cfg.vocab_size, args.prompt_len).tolist(),
                       SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens))
               for i in range(bucket)]
@@ -117,7 +132,7 @@ def main(argv=None):
       n = max(st.steps, 1)
       step_ms = 1e3 * (st.total_time_s - st.prefill_time_s) / n
       draft_ms, device_ms = 1e3 * st.draft_time_s / n, 1e3 * st.device_time_s / n
-      rows.append([bucket, budget, f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{dispatch_ms:.3f}",
+      rows.append([bucket, budget if k == 1 else f"{budget}, {k} steps/launch", f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{dispatch_ms:.3f}",
                    f"{1e3 * st.dispatch_time_s / n:.3f}", f"{step_ms:.2f}",
                    f"{draft_ms:.2f}", f"{device_ms:.2f}", f"{step_ms - draft_ms - device_ms:.2f}",
                    f"{step_ms / async_ms:.2f}x"])
@@ -142,6 +157,8 @@ def main(argv=None):
         "dispatch ms (host) = the host's time inside the step call alone (bare: with nothing "
         "queued, in the sync loop, i.e. launching a step, the floor of the host's work per "
         "step; engine: EngineStats.dispatch_time_s per step, the previous step in flight)",
+        "'k steps/launch' rows: k plain steps per compiled call (EngineConfig.multi_step); "
+        "every figure per decode step (a launch's time / k)",
         *args.note])
 
 

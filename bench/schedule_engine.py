@@ -79,6 +79,8 @@ def parse_args(argv=None):
   p.add_argument("--compile_threads", type=int, default=0,
                  help="warm-up compiles the buckets in this many threads (EngineConfig."
                       "compile_threads; 0 = its default: threads on a CPU backend only)")
+  p.add_argument("--multi_step", type=int, default=1,
+                 help="plain decode steps per engine launch (EngineConfig.multi_step)")
   p.add_argument("--policies", default=",".join(POLICIES), help=f"from {POLICIES}")
   p.add_argument("--repeats", type=int, default=1, help="runs of the policy list; fastest kept")
   p.add_argument("--seed", type=int, default=0)
@@ -97,7 +99,8 @@ def parse_args(argv=None):
     p.error(f"--policies: {bad[0]!r} is not one of {', '.join(POLICIES)}")
   if "fifo" not in policies and "oracle" in policies:
     p.error("--policies: oracle needs fifo (it learns the true lengths from the fifo run)")
-  for flag in ("num_prompts", "group_size", "slots", "max_new_tokens", "divide_every", "repeats"):
+  for flag in ("num_prompts", "group_size", "slots", "max_new_tokens", "divide_every", "repeats",
+               "multi_step"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
   for flag in ("park_rows", "compile_threads"):
@@ -123,7 +126,7 @@ def host_by_event(timeline) -> dict[str, float]:
   engine loop's own work: reading a step, planning, dispatching), by what came before the
   step (`_kind`); NaN for a kind that never came."""
   spent: dict[str, list] = dict(plain=[], prefill=[], yields=[])
-  for k, (_, _, yields, prefilled, resumed, host_s) in enumerate(timeline):
+  for k, (_, _, yields, prefilled, resumed, host_s, *_) in enumerate(timeline):
     spent[_kind(k, yields, prefilled, resumed)].append(host_s)
   return {kind: float(np.mean(v)) if v else float("nan") for kind, v in spent.items()}
 
@@ -133,11 +136,12 @@ def excess_by_event(timeline, warm) -> dict[str, float]:
   dispatched before each (`EngineStats.timeline`): "prefill" (new requests admitted, yields or
   not; the first step too), "yields" (requests parked or resumed, no prefill), "plain"
   (neither). The interval of a step runs from the previous step's outputs on the host to its
-  own."""
+  own; a multi-step launch (its entry's decode steps, EngineConfig.multi_step) is one interval
+  against as many warm-up times."""
   out = dict(plain=0.0, prefill=0.0, yields=0.0)
   last = 0.0
-  for k, (ready, shape, yields, prefilled, resumed, _) in enumerate(timeline):
-    out[_kind(k, yields, prefilled, resumed)] += ready - last - warm[shape]
+  for k, (ready, shape, yields, prefilled, resumed, _, steps) in enumerate(timeline):
+    out[_kind(k, yields, prefilled, resumed)] += ready - last - warm[shape] * steps
     last = ready
   return out
 
@@ -178,7 +182,7 @@ def main(argv=None):
   cfg = EngineConfig(max_len=longest + args.max_new_tokens, buckets=buckets_for(args.slots),
                      max_draft=0, speculate="never", eos_ids=tuple(tok.stop_ids),
                      seed=args.seed, divide_every=args.divide_every, park_rows=park,
-                     compile_threads=args.compile_threads)
+                     compile_threads=args.compile_threads, multi_step=args.multi_step)
   engine = RolloutEngine(model, cfg)
   t0 = time.perf_counter()
   engine.warmup()
@@ -238,7 +242,8 @@ def main(argv=None):
       row = dict(makespan=float(finish.max()), tail=tail_time(finish), modelled=modelled,
                  util=st.slot_utilisation, yields=st.yields, passes=st.yield_passes,
                  parked=st.parked_peak,
-                 steps=st.steps, crc=tokens_crc(results), waits=st.host_waits,
+                 steps=st.steps, launches=st.launches, crc=tokens_crc(results),
+                 waits=st.host_waits,
                  host_ms=1e3 * st.host_s_per_step,
                  parts=host_parts_ms(st),
                  excess=excess_by_event(st.timeline, warm),
@@ -266,6 +271,7 @@ def main(argv=None):
   for name in args.policies:
     r = best[name]
     rows.append([name, f"{r['makespan']:.1f}", f"{r['tail']:.1f}", f"{r['util']:.3f}", r["steps"],
+                 r["launches"],
                  f"{100 * r['long_kv']:.0f}%", f"{r['modelled']:.1f}",
                  f"{r['modelled'] / ref['modelled']:.3f}" if ref else "-",
                  f"{r['makespan'] / ref['makespan']:.3f}" if ref else "-",
@@ -278,7 +284,7 @@ def main(argv=None):
                  f"{r['crc']:08x}"])
   same = len({best[x]["crc"] for x in args.policies}) == 1
   table_md = common.markdown_table(
-      ["policy", "makespan s", "tail s", "slot util", "decode steps", "long-kv steps",
+      ["policy", "makespan s", "tail s", "slot util", "decode steps", "launches", "long-kv steps",
        "modelled decode s",
        "modelled / oracle", "makespan / oracle",
        "tail / oracle", "tail cut vs fifo", "yields", "yield passes", "parked peak",
@@ -293,7 +299,8 @@ def main(argv=None):
   notes = [f"{args.num_prompts} GSM8K train prompts (from {args.prompt_offset}) x G="
            f"{args.group_size} = {n} requests, {args.slots} slots (buckets {cfg.buckets}), "
            f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, plain decoding "
-           f"(no speculation), seed {args.seed}; epoch 0 (fifo) is the history, epoch 1 is "
+           f"(no speculation, {args.multi_step} step(s) per launch where token caps allow: "
+           f"EngineConfig.multi_step), seed {args.seed}; epoch 0 (fifo) is the history, epoch 1 is "
            f"timed per policy with {args.repeats} run(s) each (fastest kept)",
            f"residual+divided: a request is offered to yield every {args.divide_every} tokens, "
            f"{park} park rows; the others run undivided",

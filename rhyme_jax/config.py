@@ -50,6 +50,7 @@ RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "ru
                      "run.record_rollouts",
                      "rollout.attention", "rollout.schedule", "rollout.speculate",
                      "rollout.divide_every", "rollout.park_rows", "rollout.compile_threads",
+                     "rollout.multi_step",
                      "distributed")
 
 
@@ -82,6 +83,7 @@ class RolloutOptions:
   divide_every: int  # divided rollout: tokens between a request's offers to yield its slot
   park_rows: int  # divided rollout: device KV rows for requests that yielded (EngineConfig)
   compile_threads: int  # warm-up compiles the step shapes in this many threads (0: auto)
+  multi_step: int  # plain decode steps per engine launch (EngineConfig.multi_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +227,11 @@ _FLAGS = {
          "in, one bucket each (0 = one per bucket up to the host's CPUs on CPU, one on a GPU or "
          "TPU, where XLA's autotuning times kernels while it compiles; 1 = one after another). "
          "Changes how long the first step waits, never what compiles or is sampled."),
+        ("multi_step", 1, "Plain decode steps the rollout engine runs per compiled call "
+         "(1-64): the host dispatches and reads once per this many tokens per row, for "
+         "accelerators where the host's per-step work nears the device's step time. A request "
+         "ending inside a call computes the rest of it for nothing. Never changes what is "
+         "sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -384,6 +391,8 @@ def validate(c: Config) -> None:
   _at_least("divide_every", r.divide_every, 0)
   _at_least("park_rows", r.park_rows, 0)
   _at_least("compile_threads", r.compile_threads, 0)
+  if not 1 <= r.multi_step <= 64:
+    _fail("multi_step", r.multi_step, "in [1, 64]")
   if r.divide_every and not r.park_rows:
     _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
   if r.divide_every and r.schedule not in ("probe", "residual"):

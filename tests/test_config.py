@@ -78,6 +78,8 @@ def test_quickstart_is_small():
     ("--process_id=0", "--num_processes=0 --process_id=0: expected both"),
     ("--num_processes=-1", "--num_processes=-1: expected an integer >= 0"),
     ("--compile_threads=-2", "--compile_threads=-2: expected an integer >= 0"),
+    ("--multi_step=0", "--multi_step=0: expected in [1, 64]"),
+    ("--multi_step=65", "--multi_step=65: expected in [1, 64]"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:

@@ -36,17 +36,20 @@ def model_fns(graphdef, treedef):
   """Verify and prefill jitted for one model structure, taking the params as a flat list.
   Arrays cross between host and device one per call each way: verify takes its packed trees
   as `PackedTrees.wire()` and returns the new state and its outputs as `step.to_wire`'s one
-  array, prefill takes one (slot, start, chunk...) array.
+  array, prefill takes one (slot, start, chunk...) array. Verify's static `steps` > 1 runs
+  that many plain steps in the call (`step.plain_steps`).
 
   Looked up once per engine (hashing an NNX graphdef costs milliseconds, flattening a params
   State with its key sorting almost one), so a step's dispatch hashes and flattens neither.
   Engines over the same structure share these functions and their compilations.
   """
-  def verify(leaves, state, wire, seed, *, filters, max_kv_len, max_q_len, attention_impl):
+  def verify(leaves, state, wire, seed, *, filters, max_kv_len, max_q_len, attention_impl,
+             steps=1):
     trees = accept.PackedTrees.from_wire(wire, state.batch)  # one transfer, not six
-    state, out = step.verify_step(graphdef, jax.tree.unflatten(treedef, leaves), state, trees,
-                                  seed, filters=filters, max_kv_len=max_kv_len,
-                                  max_q_len=max_q_len, attention_impl=attention_impl)
+    one = functools.partial(step.verify_step, graphdef, jax.tree.unflatten(treedef, leaves),
+                            trees=trees, seed=seed, filters=filters, max_kv_len=max_kv_len,
+                            max_q_len=max_q_len, attention_impl=attention_impl)
+    state, out = one(state) if steps == 1 else step.plain_steps(one, state, steps)
     return state, step.to_wire(out)  # one copy back, not three
 
   def prefill(leaves, cache, args):  # int32 (slot, start, C chunk tokens): one transfer
@@ -54,8 +57,8 @@ def model_fns(graphdef, treedef):
                               args[2:], args[1])
 
   return (jax.jit(counted("step", verify),
-                  static_argnames=("filters", "max_kv_len", "max_q_len",
-                                   "attention_impl"), donate_argnums=(1,)),
+                  static_argnames=("filters", "max_kv_len", "max_q_len", "attention_impl",
+                                   "steps"), donate_argnums=(1,)),
           jax.jit(counted("prefill", prefill), donate_argnums=(1,)))
 
 

@@ -7,8 +7,9 @@ for empty slots. Each step packs the live rows' roots and draft nodes on one tok
 compiled size (accept.pack; a plain step is the roots alone). The engine alone sizes drafts:
 the cost model (cost_model.CostModel) picks, per step, the shape and the nodes per row with the
 most expected tokens per second, and plain steps are dispatched before the previous step is
-read, so the host's bookkeeping overlaps the device. Step functions are jitted once per shape
-(bucket, packed size, tokens per row, cache bucket) at warm-up.
+read, so the host's bookkeeping overlaps the device; with `multi_step` > 1 a stretch of plain
+steps runs several per compiled call. Step functions are jitted once per shape (bucket, packed
+size, tokens per row, cache bucket, plain steps per call) at warm-up.
 
 Requests are admitted in arrival order, or in the order of an `AdmissionOrder` (scheduling/:
 longest predicted first, cross-step alternation, Seer probe-first); the order changes when a
@@ -141,10 +142,11 @@ class RolloutEngine:
     return self._verify_wire(state, trees.wire(), filters, max_kv_len, max_q_len)
 
   def _verify_wire(self, state: step.DecodeState, wire: np.ndarray, filters: bool,
-                   max_kv_len: int, max_q_len: int):
+                   max_kv_len: int, max_q_len: int, steps: int = 1):
+    """`verify` on a wire array; `steps` > 1: that many plain steps in one call (T = 1)."""
     return self._verify_fn(self._leaves, state, wire, self._seed, filters=filters,
                            max_kv_len=max_kv_len, max_q_len=max_q_len,
-                           attention_impl=self.attention_impl)
+                           attention_impl=self.attention_impl, steps=steps)
 
   def _plain_roots(self, live_B: tuple[bool, ...]) -> np.ndarray:
     """The wire array of a plain step over the live slots `live_B` (`_plain_wire`)."""

@@ -96,6 +96,7 @@ SPECULATE = ("auto", "always", "never")
 # block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
 # positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
 KV_ALIGN_MIN, KV_ALIGN_MAX = 16, 512
+MAX_MULTI_STEP = 64  # most plain steps in one launch (EngineConfig.multi_step)
 
 
 def kv_align(s: int) -> int:
@@ -129,6 +130,12 @@ class EngineConfig:
   # "never": plain steps only.
   speculate: str = "auto"
   pipeline: bool = True  # dispatch a plain step before reading the previous one
+  # Plain decode steps per launch: a stretch without drafts runs this many steps in one
+  # compiled call (a scan of the plain step), so the host dispatches and reads once per
+  # `multi_step` tokens per row. A row that ends inside a launch computes its remaining steps
+  # for nothing (their tokens are dropped), and with requests queued a launch is only this long
+  # where no live row reaches its token cap inside it. 1: one step per launch.
+  multi_step: int = 1
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
@@ -173,6 +180,8 @@ class EngineConfig:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTIONS}")
+    if not 1 <= self.multi_step <= MAX_MULTI_STEP:
+      raise ValueError(f"multi_step={self.multi_step}: must be in [1, {MAX_MULTI_STEP}]")
     if self.compile_threads < 0:
       raise ValueError(f"compile_threads={self.compile_threads}: must be >= 0")
     if self.divide_every < 0 or self.park_rows < 0:
@@ -188,10 +197,11 @@ class EngineConfig:
 
   @property
   def cache_len(self) -> int:
-    """Room for a request's tokens plus one step's tree and one pipelined step past its end,
-    rounded up (round_kv) so the Pallas kernels' KV blocks divide it. Positions past a row's
-    length are never attended (the XLA path masks them, the kernels never read them)."""
-    return round_kv(self.max_len + 2 * self.row_tokens)
+    """Room for a request's tokens plus one launch's tokens (a step's tree, or a multi-step
+    launch) and one pipelined launch past its end, rounded up (round_kv) so the Pallas kernels'
+    KV blocks divide it. Positions past a row's length are never attended (the XLA path masks
+    them, the kernels never read them)."""
+    return round_kv(self.max_len + 2 * max(self.row_tokens, self.multi_step))
 
   @property
   def lookahead_budget(self) -> int:
@@ -221,6 +231,7 @@ class EngineStats:
   """Counters of one `generate` call (peers' names: mean accepted length, slot utilisation)."""
 
   steps: int = 0  # verify steps (target forward passes of the decode phase)
+  launches: int = 0  # compiled calls that ran them (fewer with EngineConfig.multi_step > 1)
   spec_steps: int = 0  # of which speculative
   asked_steps: int = 0  # steps that asked for drafts (speculative, or plain after drafting)
   prefill_chunks: int = 0
@@ -251,13 +262,15 @@ class EngineStats:
   parked_peak: int = 0  # most yielded requests waiting at once (their KV in park rows)
   yield_rules: int = 0  # yield rules the admission order built (divided.YieldRules)
   total_time_s: float = 0.0
+  # decode steps per (bucket, P, T, cache length); a multi-step launch counts each of its steps
   steps_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
-  # per step: (bucket, packed P, live, queued)
+  # per launch: (bucket, packed P, live, queued)
   trace: list = dataclasses.field(default_factory=list)
-  # per step, in order: (seconds from the call's start to its outputs on the host, its shape,
-  # the yields, requests prefilled and requests resumed dispatched since the step before was,
-  # and the host seconds in between outside blocking reads: reading the step before, planning,
-  # dispatching), to attribute wall time to what the engine did between steps
+  # per launch, in order: (seconds from the call's start to its outputs on the host, its step
+  # shape, the yields, requests prefilled and requests resumed dispatched since the launch
+  # before was, the host seconds in between outside blocking reads: reading the launch before,
+  # planning, dispatching, and the decode steps it ran), to attribute wall time to what the
+  # engine did between launches
   timeline: list = dataclasses.field(default_factory=list)
   admitted: list = dataclasses.field(default_factory=list)  # request ids in admission order
 
@@ -287,7 +300,7 @@ class EngineStats:
   def summary(self) -> dict:
     return dict(steps=self.steps, spec_steps=self.spec_steps, tokens=self.tokens,
                 tokens_per_s=self.tokens_per_s, mean_accepted_length=self.mean_accepted_length,
-                forwards_per_token=self.forwards_per_token,
+                forwards_per_token=self.forwards_per_token, launches=self.launches,
                 slot_utilisation=self.slot_utilisation, drafted=self.drafted,
                 accepted=self.accepted, positions=self.positions,
                 live_positions=self.live_positions, host_waits=self.host_waits,

@@ -11,7 +11,9 @@ Each pass of `run`:
   4. the engine decides whether to draft (`RolloutEngine._plan`); drafts need the previous
      step's tokens and a bucket move a quiet state, so those read the step in flight first;
   5. the next step is drafted, packed and dispatched (`_dispatch`), and only then is the step
-     before it read (`_process`): the host's bookkeeping overlaps the device's work.
+     before it read (`_process`): the host's bookkeeping overlaps the device's work. Without
+     drafts a launch may run `EngineConfig.multi_step` plain steps in one call
+     (`_launch_steps`), so that host work is paid once per several tokens per row.
 
 The engine owns what outlives a rollout (compiled functions, params, the cost model, the
 drafter); this module owns the order in which a rollout uses them.
@@ -45,6 +47,7 @@ class _Step:
   # the cost model expected of them)
   rows: list
   shape: tuple
+  steps: int = 1  # decode steps the launch ran (plain steps only when > 1: multi_step)
   asked: bool = False  # drafts were asked for (even if the step ended up plain)
   # "auto" only: the gain the asking decision expected of asking (0.0: it did not ask)
   ask_gain: float | None = None
@@ -230,7 +233,7 @@ class Rollout:
     """Drafts (when `speculate`: `RolloutEngine._draft`), packs and dispatches the next step
     over the live rows."""
     engine, stats, slots, bucket = self.engine, self.stats, self.slots, self.bucket
-    in_flight = 0 if self.pending is None else self.pending.shape[2]
+    in_flight = 0 if self.pending is None else self.pending.shape[2] * self.pending.steps
     longest = max(len(slots[i].req.prompt) + len(slots[i].tokens) for i in live_idx)
     live_B = tuple(slots[i] is not None for i in range(bucket))
     wide, drafted = [], 0
@@ -244,18 +247,19 @@ class Rollout:
     else:
       trees, p, t = None, bucket, 1
       rows = [(i, slots[i], 0, 0, None, None) for i in live_idx]
-    s = engine._kv_len_for(longest + in_flight + t)
+    k = 1 if speculate else self._launch_steps(live_idx, in_flight)
+    s = engine._kv_len_for(longest + in_flight + t * k)
     wire = (engine._plain_roots(live_B) if t == 1 and not drafted else
             accept.pack(trees, live_B, p).wire())
     tv = time.perf_counter()
-    self.state, out = engine._verify_wire(self.state, wire, self.filters, s, t)
+    self.state, out = engine._verify_wire(self.state, wire, self.filters, s, t, k)
     out.copy_to_host_async()  # queued behind the step: its outputs are on the host when read
     now = time.perf_counter()
     stats.dispatch_time_s += now - tv
     host_s = now - self.host_from[0] - (stats.device_time_s - self.host_from[1])
     self.host_from = (now, stats.device_time_s)
     shape = (bucket, p, t, s)
-    st = _Step(out, rows, shape, asked=speculate, ask_gain=ask_gain,
+    st = _Step(out, rows, shape, k, asked=speculate, ask_gain=ask_gain,
                timed=(t > 1 or not speculate) and not self.untimed,
                events=(*self.events, host_s))
     self.events = [0, 0, 0]
@@ -263,15 +267,29 @@ class Rollout:
     if wide:
       st.ahead = engine._pool.submit(_timed, engine.drafter.lookahead, wide)
       st.ahead_rows = [slots[i] for i in live_idx]
-    stats.steps += 1
+    stats.steps += k
+    stats.launches += 1
     stats.spec_steps += t > 1
     stats.asked_steps += speculate
-    stats.steps_by_shape[shape] += 1
-    stats.slot_steps += bucket
-    stats.positions += p
-    stats.live_positions += len(live_idx) + drafted
+    stats.steps_by_shape[shape] += k
+    stats.slot_steps += bucket * k
+    stats.positions += p * k
+    stats.live_positions += (len(live_idx) + drafted) * k
     stats.trace.append((bucket, p, len(live_idx), len(self.queue)))
     return st
+
+  def _launch_steps(self, live_idx: list[int], in_flight: int) -> int:
+    """Plain steps the next launch runs: `EngineConfig.multi_step`, or 1 where a longer launch
+    would step past token caps: while requests wait, where any live row would reach its cap
+    inside it (its slot would idle until the launch ends); with none waiting, where every
+    row would (the launch would run on for nobody). An end at EOS cannot be foreseen."""
+    k = self.cfg.multi_step
+    if k > 1:
+      left = [self.slots[i].req.params.max_new_tokens - len(self.slots[i].tokens) - in_flight
+              for i in live_idx]
+      if (min(left) if self.queue else max(left)) < k:
+        return 1
+    return k
 
   # ---- reading a step --------------------------------------------------------------------------
 
@@ -286,9 +304,9 @@ class Rollout:
     tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))
     stats.device_time_s += ready - tw
     stats.host_waits += blocking
-    stats.timeline.append((ready - self.t0, st.shape, *st.events))
-    if st.timed and self.last_ready is not None:
-      engine.costs.observe_time(st.shape, ready - self.last_ready)
+    stats.timeline.append((ready - self.t0, st.shape, *st.events, st.steps))
+    if st.timed and self.last_ready is not None:  # a multi-step launch: its mean step
+      engine.costs.observe_time(st.shape, (ready - self.last_ready) / st.steps)
     self.last_ready = ready
     if st.ahead is not None:
       tw = time.perf_counter()
@@ -299,6 +317,7 @@ class Rollout:
       for lv, tree in zip(st.ahead_rows, wide_trees):
         lv.ahead, lv.ahead_from = tree, len(lv.tokens)
     asked = st.shape[2] > 1 or st.asked
+    multi = st.steps > 1  # a multi-step launch: each row's tokens are `steps` plain steps
     # The step's totals, added to stats once: rows counted when read (a discarded pipelined
     # row is not useful), tokens as kept (up to a row's end)
     accepted = useful = drafted_all = kept = 0
@@ -308,14 +327,6 @@ class Rollout:
       if lv.done:  # finished in an earlier step; this pipelined step's row is discarded
         continue
       emitted = num_B[slot]
-      lv.steps += 1
-      useful += 1
-      lv.drafted += drafted
-      lv.accepted += emitted - 1
-      drafted_all += drafted
-      accepted += emitted - 1
-      if asked and depth >= 0:
-        costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
       row, row_logp = tokens_BxT[slot], logp_BxT[slot]
       reason, n = None, emitted
       for k in range(emitted):
@@ -325,12 +336,22 @@ class Rollout:
         if reason:
           n = k + 1
           break
+      # verify steps the row took part in (up to its end) and drafts it had accepted
+      took, got = (n, 0) if multi else (1, emitted - 1)
+      lv.steps += took
+      useful += took
+      lv.drafted += drafted
+      lv.accepted += got
+      drafted_all += drafted
+      accepted += got
+      if asked and depth >= 0:
+        costs.observe_acceptance(lv.req.request_id, depth, emitted - 1, offered, expected)
       kept += n
       if tracking:
         live_len[lv.req.request_id] = len(lv.tokens)
       if drafter is not None:
         drafter.observe(lv.req.request_id, lv.req.group_id, np.asarray(row[:n], np.int32),
-                        drafted, emitted - 1)
+                        drafted, got)
       if reason:
         self._finish(slot, lv, reason)
     stats.useful_slot_steps += useful

@@ -102,6 +102,17 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   return new_state, StepOutput(acc.emitted_BxT, acc.logprobs_BxT, num_B)
 
 
+def plain_steps(one_step, state: DecodeState, steps: int) -> tuple[DecodeState, StepOutput]:
+  """`steps` plain decode steps in one call: `one_step(state) -> (state, StepOutput)` (a
+  `verify_step` over the roots alone, T = 1) scanned, its outputs laid side by side as one
+  step's of T = `steps` (row b's tokens in order; every live row emits `steps`). Each step
+  draws with its own position's key, so the tokens are those of `steps` separate calls; a row
+  that ends inside the call keeps stepping, and the host drops what follows its end."""
+  state, outs = jax.lax.scan(lambda s, _: one_step(s), state, None, length=steps)
+  return state, StepOutput(outs.tokens_BxT[:, :, 0].T, outs.logprobs_BxT[:, :, 0].T,
+                           outs.num_emitted_B.sum(axis=0))
+
+
 def prefill_chunk(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, slot: jax.Array,
                   tokens_C: jax.Array, start: jax.Array) -> KVCache:
   """Writes the KV of one prompt chunk at `[start, start + C)` of one slot.

@@ -1,8 +1,8 @@
 """The rollout engine's warm-up: every shape a rollout can use, compiled and timed up front.
 
 A rollout must never compile (static shapes, compiled once), so before the first one the engine
-calls each step function once per (bucket, packed size, tokens per row, cache length), the
-prefill, slot loading, the park pool's copies and each bucket move, and times every step shape
+calls each step function once per (bucket, packed size, tokens per row, cache length) and each
+multi-step launch (`EngineConfig.multi_step`) per (bucket, cache length), the prefill, slot loading, the park pool's copies and each bucket move, and times every step shape
 to seed its cost model (`CostModel.observe_time(..., warmup=True)`).
 
 Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
@@ -104,4 +104,10 @@ def _step_shapes(engine, state, bucket: int, filters: bool, reps: int):
         best = min(best, time.perf_counter() - t0)
       if reps:
         engine.costs.observe_time((bucket, p, t, s), best, warmup=True)
+  k = engine.config.multi_step
+  if k > 1 and not reps:  # multi-step launches: compiled, not timed (the cost model times steps)
+    plain = accept.pack([None] * bucket, [True] * bucket, bucket).wire()
+    for s in engine.kv_lengths:
+      for _ in range(2):
+        state, out = engine._verify_wire(state, plain, filters, s, 1, steps=k)
   return state

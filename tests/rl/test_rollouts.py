@@ -30,6 +30,7 @@ def test_engine_config_shapes():
   assert engine_config(_config(), (2,), drafting=False).max_draft == 0
   assert engine_config(_config("--rollout_slots=3"), (2,), False).buckets == (3, 2, 1)
   assert engine_config(_config("--rollout_slots=64"), (2,), False).buckets == (8, 4, 2, 1)
+  assert e.multi_step == 1 and engine_config(_config("--multi_step=4"), (2,), True).multi_step == 4
 
 
 def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tokenizer):

@@ -2,8 +2,10 @@
 changes nothing sampled; every step's timeline entry says what was dispatched before it."""
 
 import collections
+import dataclasses
 
 import numpy as np
+import pytest
 
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
@@ -56,3 +58,83 @@ def test_the_timeline_has_a_step_each_with_what_came_before_it(tiny_model):
   host = [t[5] for t in st.timeline]
   assert all(h >= 0 for h in host) and sum(host) <= st.total_time_s - st.device_time_s
   assert collections.Counter(t[1] for t in st.timeline) == st.steps_by_shape
+
+
+# ---- multi-step launches (EngineConfig.multi_step) ---------------------------------------------
+
+def _multi(model, k: int, drafter=None, eos_ids=(EOS,)) -> RolloutEngine:
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), kv_buckets=2, eos_ids=eos_ids, seed=5,
+                     multi_step=k, max_draft=4 if drafter is not None else 0,
+                     speculate="auto" if drafter is not None else "never")
+  return RolloutEngine(model, cfg, drafter)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_p=0.9, top_k=20)])
+def test_multi_step_launches_sample_what_single_steps_do(tiny_model, params):
+  """Several plain steps per compiled call (a scan of the one step) draw every token with its
+  own position's key: same tokens, log-probs and ends as one step per call, through requests
+  queued, EOS and token caps inside a launch, bucket moves and both cache lengths."""
+  lengths = np.random.default_rng(1).integers(1, 56, size=20)
+  reqs = lambda: [Request(i, [1 + i, 2, 5], dataclasses.replace(params, max_new_tokens=int(n)))
+                  for i, n in enumerate(lengths)]
+  one, four = _multi(tiny_model, 1), _multi(tiny_model, 4)
+  want, got = one.generate(reqs()), four.generate(reqs())
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"request {a.request_id}")
+    # the scan compiles to another program: its filtered log-probs may differ in the last bit
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+    assert a.finish_reason == b.finish_reason and b.steps == len(b.tokens) and b.accepted == 0
+  assert {r.finish_reason for r in want} == {"eos", "length"}
+  s1, s4 = one.stats, four.stats
+  # short caps (1-55 tokens) keep many launches at one step while requests queue
+  assert s1.launches == s1.steps and s4.launches < 0.6 * s4.steps
+  assert s4.tokens == s1.tokens == s4.useful_slot_steps and s4.accepted == 0
+  assert len(s4.timeline) == s4.launches
+  by_shape = collections.Counter()
+  for entry in s4.timeline:
+    by_shape[entry[1]] += entry[6]
+  assert by_shape == s4.steps_by_shape and set(entry[6] for entry in s4.timeline) == {1, 4}
+  assert len({s for _, _, _, s in s4.steps_by_shape}) == 2  # both cache-length buckets ran
+
+
+def test_multi_step_launches_stop_at_token_caps(tiny_model):
+  """A launch runs one step where a longer one would step past token caps: while requests
+  queue, past any live row's (its slot goes to the next request as soon as one step would
+  free it); with none queued, past every row's (no launch runs on for nobody)."""
+  reqs = lambda: [Request(i, [1 + i, 2, 5], SamplingParams(temperature=1.0, max_new_tokens=6))
+                  for i in range(12)]
+  one, four = _multi(tiny_model, 1, eos_ids=()), _multi(tiny_model, 4, eos_ids=())
+  want, got = one.generate(reqs()), four.generate(reqs())
+  assert [r.tokens.tolist() for r in want] == [r.tokens.tolist() for r in got]
+  assert all(r.finish_reason == "length" and len(r.tokens) == 6 for r in got)
+  # Three waves of four 6-token rows: 4 + 1 + 1 steps each and one pipelined step past the
+  # caps, as one step per launch takes (two 4-step launches would take 8 or more per wave)
+  assert four.stats.steps == one.stats.steps == 3 * 7
+  assert four.stats.slot_steps == one.stats.slot_steps
+  assert four.stats.launches == 3 * 4 < one.stats.launches
+
+
+def test_multi_step_compiles_at_warmup_only(tiny_model):
+  """Multi-step launches compile at warm-up (per bucket and cache length); rollouts with a
+  drafter that the cost model weighs each step ("auto") then compile nothing, and sample what
+  one step per launch samples."""
+  from rhyme_jax.rollout.drafts import RandomDrafter
+  from rhyme_jax.rollout.engine import TRACE_COUNTS
+  reqs = lambda: [Request(i, [1 + i, 2, 5], SamplingParams(temperature=1.0, max_new_tokens=30),
+                          group_id=i // 4) for i in range(10)]
+  eng = _multi(tiny_model, 4, RandomDrafter(64, seed=0))
+  eng.warmup(filters=False)
+  before = dict(TRACE_COUNTS)
+  got = eng.generate(reqs())
+  assert dict(TRACE_COUNTS) == before, "a rollout compiled"
+  assert eng.stats.launches < eng.stats.steps
+  want = _multi(tiny_model, 1).generate(reqs())
+  assert [r.tokens.tolist() for r in want] == [r.tokens.tolist() for r in got]
+
+
+def test_multi_step_is_checked():
+  with pytest.raises(ValueError, match=r"multi_step=0: must be in \[1, 64\]"):
+    EngineConfig(multi_step=0)
+  # room for a launch past a row's end and a pipelined one after it
+  assert EngineConfig(max_len=64, max_draft=0, multi_step=8).cache_len >= 64 + 2 * 8
