@@ -80,3 +80,21 @@ def test_profiled_names_the_busiest_function():
   from bench import common  # schedule_engine --profile and engine_overhead --profile use it
   text = common.profiled(busy, "a title", top=5)
   assert text.startswith("a title\n") and "busy" in text and "genexpr" in text
+
+
+def test_gpu_script_names_a_missing_input_and_passes_shellcheck(tmp_path):
+  """bench/gpu_schedule.sh (the GPU run of these benches) stops on a missing MODEL or data
+  directory with one line naming it, before it runs or writes anything."""
+  import shutil
+  import subprocess
+  script = os.path.join(ROOT, "bench", "gpu_schedule.sh")
+  env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "RHYME_JAX_GSM8K_DIR")}
+  out = tmp_path / "out"
+  for extra, missing in (({}, "MODEL"), ({"MODEL": "m.gguf"}, "RHYME_JAX_GSM8K_DIR")):
+    r = subprocess.run(["bash", script], env={**env, **extra, "OUT": str(out)},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and missing in r.stderr.strip().splitlines()[-1]
+    assert not out.exists()
+  if shutil.which("shellcheck"):
+    r = subprocess.run(["shellcheck", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout

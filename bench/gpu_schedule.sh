@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU figures of rollout scheduling and multi-step launches, in one go (~6 min on 1 x H100):
+#
+#   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
+#     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
+#
+# 1. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+#    step, one plain step per compiled call against MULTI_STEP (default 4).
+# 2. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
+#    residual+divided / oracle, at 1 and at MULTI_STEP steps per launch: wall-clock makespan and
+#    tail against the oracle's, host ms per decode step by part.
+# Each bench appends its table to bench/RESULTS.md; their logs and a copy of RESULTS.md go to
+# $OUT. float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the
+# earlier H100 and H200 rows of these benches.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${MODEL:?set MODEL to the SmolLM2 GGUF (or an HF checkpoint directory)}"
+: "${RHYME_JAX_GSM8K_DIR:?set RHYME_JAX_GSM8K_DIR to the GSM8K data directory}"
+OUT=${OUT:-/tmp/gpu_schedule}
+K=${MULTI_STEP:-4}
+NOTE=${NOTE:-"GPU, float32 with JAX_DEFAULT_MATMUL_PRECISION=highest (bench/gpu_schedule.sh)"}
+mkdir -p "$OUT"
+export JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
+export RHYME_JAX_GSM8K_DIR
+
+python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
+  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
+for k in 1 "$K"; do
+  python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
+    --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 2 \
+    --compile_threads 8 --multi_step "$k" --note "$NOTE" 2>&1 | tee "$OUT/engine_k$k.log"
+done
+cp bench/RESULTS.md "$OUT/RESULTS.md"
