@@ -167,3 +167,25 @@ def test_request_ids_are_distinct_across_processes_rounds_and_steps():
   every = [i for step in range(3) for r in range(2) for p in range(2) for i in ids(two, p, 2, step, r)]
   assert sorted(every) == list(range(3 * 2 * 2 * 8))  # dense, none shared
   assert request_base(_config(), 5, 0) == 5 * 8  # one process: step * samples per step
+
+
+def test_multi_step_samples_what_one_step_per_launch_does(tmp_path, smollm2_tokenizer):
+  """--multi_step runs several plain steps per engine call (with and without --spec): the
+  trainer's samples are those of one step per call."""
+  tok = smollm2_tokenizer
+  model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
+  examples = [Example(u, q, "#### 1") for u, q in (("a", "1+1?"), ("b", "2+2?"))]
+  prompts = encode_prompts(["one", "two plus two"], examples, [0, 0], tok, 64)
+  flat = lambda gs: [s.tokens.tolist() for g in gs for s in g]
+  for spec in ("none", "histospec"):
+    got = {}
+    for k in (1, 3):
+      config = _config(f"--spec={spec}", f"--multi_step={k}", "--max_new_tokens=12")
+      rollouts = Rollouts(config, model, tok, Scorer(tok, get_reward_fn("format"), 12))
+      assert rollouts.engine.config.multi_step == k
+      first = rollouts.sample_round(prompts, 1, 0, {})
+      rollouts.record([GroupRecord.of(g) for g in first])  # history to draft from
+      stats = {}
+      got[k] = flat(first) + flat(rollouts.sample_round(prompts, 2, 0, stats))
+      assert stats["steps"] > 0
+    assert got[3] == got[1], spec

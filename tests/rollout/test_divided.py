@@ -60,15 +60,16 @@ def _same(a_results, b_results):
     assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("budget", [0, 4])
-def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget):
+@pytest.mark.parametrize("budget, multi_step", [(0, 1), (4, 1), (0, 4)])
+def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget, multi_step):
   """Requests yield every 4 tokens to queued ones (the pool holds 3) and resume in other
-  slots; tokens and log-probs equal the undivided rollout's, plain steps (pipelined) and
-  speculative ones alike, and nothing compiles after warm-up."""
+  slots; tokens and log-probs equal the undivided rollout's, plain steps (pipelined, one or
+  four per launch: parked behind a launch, a row's KV holds all its tokens) and speculative
+  ones alike, and nothing compiles after warm-up."""
   base = engine(tiny_model, budget=budget).generate(requests())
   drafter = (OracleDrafter({r.request_id: r.tokens for r in base}, 64, accuracy=0.7, seed=1)
              if budget else None)
-  eng = engine(tiny_model, drafter, budget, divide_every=4, park_rows=3)
+  eng = engine(tiny_model, drafter, budget, divide_every=4, park_rows=3, multi_step=multi_step)
   before = dict(TRACE_COUNTS)
   order = FewestTokensFirst()
   divided = eng.generate(requests(), admission=order)
@@ -78,6 +79,7 @@ def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget):
   assert 1 <= eng.stats.parked_peak <= 3
   assert sorted(eng.stats.admitted) == list(range(16))  # a resumption is not an admission
   assert eng.stats.tokens == sum(len(r.tokens) for r in divided)
+  assert (eng.stats.launches < eng.stats.steps) == (multi_step > 1)
 
 
 def test_a_static_order_never_divides(tiny_model):
