@@ -132,9 +132,9 @@ class EngineConfig:
   pipeline: bool = True  # dispatch a plain step before reading the previous one
   # Plain decode steps per launch: a stretch without drafts runs this many steps in one
   # compiled call (a scan of the plain step), so the host dispatches and reads once per
-  # `multi_step` tokens per row. A row that ends inside a launch computes its remaining steps
-  # for nothing (their tokens are dropped), and with requests queued a launch is only this long
-  # where no live row reaches its token cap inside it. 1: one step per launch.
+  # `multi_step` tokens per row. A row that ends at EOS inside a launch computes its remaining
+  # steps for nothing (their tokens are dropped); token caps shorten launches instead
+  # (loop.Rollout._launch_steps). 1: one step per launch.
   multi_step: int = 1
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
