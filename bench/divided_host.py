@@ -64,6 +64,7 @@ def parse_args(argv=None):
     args.multi_step = [int(k) for k in args.multi_step.split(",")]
   except ValueError:
     p.error(f"--multi_step={args.multi_step}: expected a comma list of integers")
+  # rhyme_jax.config.MAX_MULTI_STEP, not imported: a worker imports its own checkout's code
   if not all(1 <= k <= 64 for k in args.multi_step):
     p.error(f"--multi_step={','.join(map(str, args.multi_step))}: each must be in [1, 64]")
   if args.old and args.multi_step != [1]:

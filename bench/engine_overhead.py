@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.forward import SMOLLM2_135M  # noqa: E402
+from rhyme_jax.config import MAX_MULTI_STEP  # noqa: E402
 from rhyme_jax.models.transformer import init_model  # noqa: E402
 from rhyme_jax.rollout import accept  # noqa: E402
 from rhyme_jax.rollout.drafts import NoDrafts  # noqa: E402
@@ -60,8 +61,8 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   args.buckets = tuple(int(x) for x in args.buckets.split(","))
   args.budgets = tuple(int(x) for x in args.budgets.split(","))
-  if not 1 <= args.multi_step <= 64:
-    p.error(f"--multi_step={args.multi_step}: must be in [1, 64]")
+  if not 1 <= args.multi_step <= MAX_MULTI_STEP:
+    p.error(f"--multi_step={args.multi_step}: must be in [1, {MAX_MULTI_STEP}]")
   return args
 
 
@@ -132,7 +133,8 @@ def main(argv=None):
       n = max(st.steps, 1)
       step_ms = 1e3 * (st.total_time_s - st.prefill_time_s) / n
       draft_ms, device_ms = 1e3 * st.draft_time_s / n, 1e3 * st.device_time_s / n
-      rows.append([bucket, budget if k == 1 else f"{budget}, {k} steps/launch", f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{dispatch_ms:.3f}",
+      rows.append([bucket, budget if k == 1 else f"{budget}, {k} steps/launch",
+                   f"{async_ms:.2f}", f"{sync_ms:.2f}", f"{dispatch_ms:.3f}",
                    f"{1e3 * st.dispatch_time_s / n:.3f}", f"{step_ms:.2f}",
                    f"{draft_ms:.2f}", f"{device_ms:.2f}", f"{step_ms - draft_ms - device_ms:.2f}",
                    f"{step_ms / async_ms:.2f}x"])

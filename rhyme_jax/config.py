@@ -32,6 +32,7 @@ SPECULATE = ("auto", "always")  # of rollout.interface.SPECULATE ("never" is --s
 # Decode attention: the XLA path, the Pallas kernel of the backend, or that kernel interpreted
 # (CPU tests). The one source: models.attention and the engine config import it.
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
+MAX_MULTI_STEP = 64  # most plain decode steps in one engine launch (--multi_step)
 SCHEDULES = ("fifo", "history", "alternate", "probe", "residual")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
@@ -228,7 +229,7 @@ _FLAGS = {
          "TPU, where XLA's autotuning times kernels while it compiles; 1 = one after another). "
          "Changes how long the first step waits, never what compiles or is sampled."),
         ("multi_step", 1, "Plain decode steps the rollout engine runs per compiled call "
-         "(1-64): the host dispatches and reads once per this many tokens per row, for "
+         f"(1-{MAX_MULTI_STEP}): the host dispatches and reads once per this many tokens per row, for "
          "accelerators where the host's per-step work nears the device's step time. A request "
          "ending inside a call computes the rest of it for nothing. Never changes what is "
          "sampled."),
@@ -391,8 +392,8 @@ def validate(c: Config) -> None:
   _at_least("divide_every", r.divide_every, 0)
   _at_least("park_rows", r.park_rows, 0)
   _at_least("compile_threads", r.compile_threads, 0)
-  if not 1 <= r.multi_step <= 64:
-    _fail("multi_step", r.multi_step, "in [1, 64]")
+  if not 1 <= r.multi_step <= MAX_MULTI_STEP:
+    _fail("multi_step", r.multi_step, f"in [1, {MAX_MULTI_STEP}]")
   if r.divide_every and not r.park_rows:
     _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
   if r.divide_every and r.schedule not in ("probe", "residual"):

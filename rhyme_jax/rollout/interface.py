@@ -12,7 +12,7 @@ from typing import Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from rhyme_jax.config import ATTENTIONS
+from rhyme_jax.config import ATTENTIONS, MAX_MULTI_STEP
 from rhyme_jax.rollout import accept
 from rhyme_jax.rollout.sampling import SamplingParams
 
@@ -96,7 +96,6 @@ SPECULATE = ("auto", "always", "never")
 # block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
 # positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
 KV_ALIGN_MIN, KV_ALIGN_MAX = 16, 512
-MAX_MULTI_STEP = 64  # most plain steps in one launch (EngineConfig.multi_step)
 
 
 def kv_align(s: int) -> int:

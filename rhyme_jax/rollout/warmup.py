@@ -2,8 +2,9 @@
 
 A rollout must never compile (static shapes, compiled once), so before the first one the engine
 calls each step function once per (bucket, packed size, tokens per row, cache length) and each
-multi-step launch (`EngineConfig.multi_step`) per (bucket, cache length), the prefill, slot loading, the park pool's copies and each bucket move, and times every step shape
-to seed its cost model (`CostModel.observe_time(..., warmup=True)`).
+multi-step launch (`EngineConfig.multi_step`) per (bucket, cache length), the prefill, slot
+loading, the park pool's copies and each bucket move, and times every step shape to seed its
+cost model (`CostModel.observe_time(..., warmup=True)`).
 
 Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
 and XLA compiles without holding the GIL, so with more than one compile thread
@@ -106,7 +107,7 @@ def _step_shapes(engine, state, bucket: int, filters: bool, reps: int):
         engine.costs.observe_time((bucket, p, t, s), best, warmup=True)
   k = engine.config.multi_step
   if k > 1 and not reps:  # multi-step launches: compiled, not timed (the cost model times steps)
-    plain = accept.pack([None] * bucket, [True] * bucket, bucket).wire()
+    plain = engine._plain_roots((True,) * bucket)
     for s in engine.kv_lengths:
       for _ in range(2):
         state, out = engine._verify_wire(state, plain, filters, s, 1, steps=k)
