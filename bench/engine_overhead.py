@@ -52,6 +52,9 @@ def parse_args(argv=None):
   p.add_argument("--reps", type=int, default=20, help="bare steps timed per measurement")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="default float32 on cpu, else bfloat16")
+  p.add_argument("--top_p", type=float, default=1.0,
+                 help="< 1: sample with top-p, so every step compiles sampling's filters (one "
+                      "conditional, which XLA:GPU resolves by a host read mid-call)")
   p.add_argument("--multi_step", type=int, default=1,
                  help="also time budget 0 with this many plain steps per launch (> 1)")
   p.add_argument("--profile", action="store_true",
@@ -63,21 +66,24 @@ def parse_args(argv=None):
   args.budgets = tuple(int(x) for x in args.budgets.split(","))
   if not 1 <= args.multi_step <= MAX_MULTI_STEP:
     p.error(f"--multi_step={args.multi_step}: must be in [1, {MAX_MULTI_STEP}]")
+  if not 0 < args.top_p <= 1:
+    p.error(f"--top_p={args.top_p}: must be in (0, 1]")
   return args
 
 
-def bare_times(engine, bucket, budget, reps, steps=1):
+def bare_times(engine, bucket, budget, reps, steps=1, filters=False):
   """(sync ms, async ms, dispatch ms) per verify step on one state (empty trees, as the engine
   runs them); dispatch = the host's time in the call itself with nothing queued (the sync
   loop; queued back to back, a call can also wait for room in the device's queue): what
   launching a step costs the host, the floor of the engine's host time per step. `steps` > 1:
-  calls of that many plain steps, every figure per decode step."""
+  calls of that many plain steps, every figure per decode step. `filters`: the step compiled
+  with top-p / top-k sampling (`--top_p`)."""
   state = engine._admit(engine._new_state(bucket),
                         [(i, Request(-1 - i, [1, 2, 3], SamplingParams(1.0)))
                          for i in range(bucket)])
   p, t = engine.shapes(bucket)[-1]
   wire = accept.pack([None] * bucket, [True] * bucket, p).wire()
-  step = lambda s: engine._verify_wire(s, wire, False, engine.config.cache_len, t, steps)
+  step = lambda s: engine._verify_wire(s, wire, filters, engine.config.cache_len, t, steps)
   for _ in range(3):
     state, out = step(state)
   jax.block_until_ready(out)
@@ -105,6 +111,7 @@ def main(argv=None):
         f"{dtype}", flush=True)
   rng = np.random.default_rng(0)
   rows, profile_text = [], ""
+  filters = args.top_p < 1
   runs = [(b, 1) for b in args.budgets]
   if args.multi_step > 1 and 0 in args.budgets:
     runs.append((0, args.multi_step))
@@ -115,13 +122,15 @@ def main(argv=None):
                         multi_step=k)
     engine = RolloutEngine(model, ecfg, NoDrafts())
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(filters=filters)
     print(f"[overhead] budget {budget}, {k} step(s)/launch: warm-up "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     for bucket in args.buckets:
-      sync_ms, async_ms, dispatch_ms = bare_times(engine, bucket, budget, args.reps, k)
+      sync_ms, async_ms, dispatch_ms = bare_times(engine, bucket, budget, args.reps, k,
+                                                  filters)
       reqs = [Request(i, rng.integers(10, cfg.vocab_size, args.prompt_len).tolist(),
-                      SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens))
+                      SamplingParams(temperature=1.0, top_p=args.top_p,
+                                     max_new_tokens=args.new_tokens))
               for i in range(bucket)]
       if args.profile and bucket == max(args.buckets):
         profile_text += common.profiled(lambda: engine.generate(reqs),
@@ -152,7 +161,9 @@ def main(argv=None):
     common.append_results("Engine step vs bare verify step (bench/engine_overhead.py)", table, [
         f"SmolLM2-135M shapes, random weights, {dtype}; prompt {args.prompt_len} tokens, "
         f"{args.new_tokens} new tokens per request, EOS off, empty drafts (plain decoding "
-        f"through the budget's verify shape), T=1.0",
+        f"through the budget's verify shape), T=1.0"
+        + (f", top-p {args.top_p} (sampling's filters compiled in every step)"
+           if filters else ""),
         "bare async = device time per step (calls queued back to back); bare sync = one call "
         "and a wait per step; engine = generate's time per decode step (prefill excluded): "
         "host work before the dispatch + dispatch-to-outputs + host work after the outputs",

@@ -122,9 +122,14 @@ def unpack_rows(x_PxX: jax.Array, q_start_B: jax.Array, q_len_B: jax.Array, t: i
 
 def packed_rows(q_start_B: jax.Array, q_len_B: jax.Array, p: int
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """For each packed index: (row_P, index within the row_P, valid_P); padding is invalid."""
+  """For each packed index: (row_P, index within the row_P, valid_P); padding is invalid.
+
+  The row is a count of row starts at or before the index (searchsorted's "compare_all": P x B
+  comparisons, no loop). Its default binary search is a while loop, which XLA:GPU runs from the
+  host, launching the body's kernels once per iteration, in every step."""
   idx_P = jnp.arange(p, dtype=jnp.int32)
-  row_P = (jnp.searchsorted(q_start_B, idx_P, side="right") - 1).astype(jnp.int32)
+  row_P = (jnp.searchsorted(q_start_B, idx_P, side="right", method="compare_all") - 1
+           ).astype(jnp.int32)
   row_P = jnp.clip(row_P, 0, q_start_B.shape[0] - 1)
   i_P = idx_P - q_start_B[row_P]
   return row_P, i_P, (i_P >= 0) & (i_P < q_len_B[row_P])
