@@ -110,6 +110,11 @@ def filtered_logits(logits_NxV: jax.Array, temperature_N: jax.Array, top_p_N: ja
   `filters` is static: without it no top-k is compiled in. With it the threshold comes from
   the CANDIDATES largest logits (`lax.top_k`, linear in the vocabulary); only when some row's
   top-p mass is not reached within them does a full sort run (`lax.cond`).
+
+  Each row keeps its own path's answer: the candidates' where they hold it, the sort's where
+  they do not. The two sum probabilities in different orders, so at a top-p boundary they can
+  keep different sets; taking the sort's answer for every row of a step that needs it would
+  make a row's sample depend on which rows share its step.
   """
   greedy_N = temperature_N <= 0
   scaled = logits_NxV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
@@ -117,8 +122,8 @@ def filtered_logits(logits_NxV: jax.Array, temperature_N: jax.Array, top_p_N: ja
     return scaled
   c = min(CANDIDATES, scaled.shape[-1])
   fast, ok_N = _candidate_filter(scaled, top_p_N, top_k_N, c)
-  return jax.lax.cond(jnp.all(ok_N), lambda: fast,
-                      lambda: _full_sort_filter(scaled, top_p_N, top_k_N))
+  return jax.lax.cond(jnp.all(ok_N), lambda: fast, lambda: jnp.where(
+      ok_N[:, None], fast, _full_sort_filter(scaled, top_p_N, top_k_N)))
 
 
 def sample(logits_NxV: jax.Array, keys_N: jax.Array, temperature_N: jax.Array,

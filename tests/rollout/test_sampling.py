@@ -92,3 +92,29 @@ def test_candidate_filter_equals_the_full_sort(top_p, top_k):
   full = np.asarray(sampling._full_sort_filter(logits / 0.8, p, k))
   np.testing.assert_array_equal(fast > -1e29, full > -1e29)
   np.testing.assert_allclose(fast, full)
+
+
+def test_a_rows_truncation_does_not_depend_on_the_rows_beside_it():
+  """Top-p at a boundary (the threshold equal to the mass before a candidate, as the
+  candidate path sums it), where the candidate path and the full sort, summing in different
+  orders, can keep different sets: each row keeps the same tokens alone as beside a flat row
+  whose top-p mass lies past the candidates (a step that needs the sort)."""
+  rng = np.random.default_rng(0)
+  v, n = 512, 64
+  logits = jnp.asarray(rng.normal(size=(n, v)).astype(np.float32) * 2)
+  top = np.sort(np.asarray(logits), axis=-1)[:, ::-1]
+  lse = np.asarray(jnp.log(jnp.sum(jnp.exp(logits - logits.max(-1, keepdims=True)), -1))
+                   + logits.max(-1))
+  probs = np.exp(top - lse[:, None]).astype(np.float32)
+  before = np.cumsum(probs, axis=-1, dtype=np.float32) - probs
+  top_p = before[np.arange(n), rng.integers(1, 20, n)]
+  flat = jnp.zeros((1, v), jnp.float32)  # top-p 0.9 of a flat row needs 461 of 512 tokens
+  one = lambda x, p: np.asarray(sampling.filtered_logits(
+      x, jnp.ones(len(x)), jnp.asarray(p, jnp.float32), jnp.zeros(len(x), jnp.int32), True))
+  alone = one(logits, top_p)
+  beside = one(jnp.concatenate([logits, flat]), np.append(top_p, 0.9))
+  np.testing.assert_array_equal(alone > -1e29, beside[:n] > -1e29)
+  # the case is live: the full sort itself keeps another set for some of these rows
+  full = np.asarray(sampling._full_sort_filter(logits, jnp.asarray(top_p), jnp.zeros(n, int)))
+  assert ((full > -1e29).sum(-1) != (alone > -1e29).sum(-1)).any()
+  assert (beside[n] > -1e29).sum() > sampling.CANDIDATES
