@@ -17,6 +17,7 @@ from tests.rollout.conftest import mixed_prompts
 
 EOS = 3
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=24)
+FILTERED = SamplingParams(temperature=1.0, top_p=0.8, top_k=12, max_new_tokens=24)
 
 
 class FewestTokensFirst:
@@ -38,18 +39,18 @@ class FewestTokensFirst:
     return min(range(len(queue)), key=lambda i: (live.get(queue[i].request_id, 0), i))
 
 
-def requests(n=16, seed=0):
-  return [Request(i, p, PARAMS, group_id=i // 4)
+def requests(n=16, seed=0, params=PARAMS):
+  return [Request(i, p, params, group_id=i // 4)
           for i, p in enumerate(mixed_prompts(n, 64, seed))]
 
 
-def engine(model, drafter=None, budget=0, **kw):
+def engine(model, drafter=None, budget=0, filters=False, **kw):
   cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=budget,
                      pack_factors=(budget + 1,) if budget else (2,),
                      speculate="always" if budget else "never", kv_buckets=1, eos_ids=(EOS,),
                      seed=5, **kw)
   eng = RolloutEngine(model, cfg, drafter)
-  eng.warmup()
+  eng.warmup(filters)
   return eng
 
 
@@ -60,19 +61,24 @@ def _same(a_results, b_results):
     assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("budget, multi_step", [(0, 1), (4, 1), (0, 4)])
-def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget, multi_step):
+@pytest.mark.parametrize("budget, multi_step, params", [
+    (0, 1, PARAMS), (4, 1, PARAMS), (0, 4, PARAMS), (4, 1, FILTERED)])
+def test_divided_rollout_samples_what_an_undivided_one_does(tiny_model, budget, multi_step,
+                                                            params):
   """Requests yield every 4 tokens to queued ones (the pool holds 3) and resume in other
   slots; tokens and log-probs equal the undivided rollout's, plain steps (pipelined, one or
   four per launch: parked behind a launch, a row's KV holds all its tokens) and speculative
-  ones alike, and nothing compiles after warm-up."""
-  base = engine(tiny_model, budget=budget).generate(requests())
+  ones alike, with top-p / top-k sampling too (a row's truncation is its own, whichever rows
+  share its steps), and nothing compiles after warm-up."""
+  filters = params.filters
+  base = engine(tiny_model, budget=budget, filters=filters).generate(requests(params=params))
   drafter = (OracleDrafter({r.request_id: r.tokens for r in base}, 64, accuracy=0.7, seed=1)
              if budget else None)
-  eng = engine(tiny_model, drafter, budget, divide_every=4, park_rows=3, multi_step=multi_step)
+  eng = engine(tiny_model, drafter, budget, filters, divide_every=4, park_rows=3,
+               multi_step=multi_step)
   before = dict(TRACE_COUNTS)
   order = FewestTokensFirst()
-  divided = eng.generate(requests(), admission=order)
+  divided = eng.generate(requests(params=params), admission=order)
   assert dict(TRACE_COUNTS) == before, "a divided rollout compiled"
   _same(base, divided)
   assert eng.stats.yields >= 4 and order.asked_about_running >= eng.stats.yields
