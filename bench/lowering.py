@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+import jax
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks its own)
@@ -34,7 +36,6 @@ def control_flow(fn, platform: str, *args, **kw) -> dict[str, int]:
   """While loops and conditionals in `fn`'s StableHLO lowered for `platform`; an
   `attention_impl` of "pallas" picks the platform's kernel (a kernel's own loops are inside
   its custom call, not counted)."""
-  import jax
   if kw.get("attention_impl") == "pallas":
     kw = dict(kw, attention_impl=PALLAS[platform])
   # Triton calls carry no serialization-compatibility guarantee; they are only lowered here.
@@ -53,11 +54,12 @@ def programs(engine) -> dict:
   p, t = engine.shapes(BUCKET)[-1]
   n = min(t - 1, p // BUCKET - 1)  # a chain per row, as long as the packed size allows
   chain = (np.arange(1, n + 1, dtype=np.int32), np.arange(-1, n - 1, dtype=np.int32))
-  plain = accept.pack([None] * BUCKET, [True] * BUCKET, BUCKET).wire()
+  plain = engine._plain_roots((True,) * BUCKET)
   drafted = accept.pack([chain] * BUCKET, [True] * BUCKET, p).wire()
+  base = dict(filters=False, max_kv_len=engine.kv_lengths[-1], max_q_len=1,
+              attention_impl="xla")
   verify = lambda wire, **kw: (engine._verify_fn, (engine._leaves, state, wire, engine._seed),
-                               dict(dict(filters=False, max_kv_len=engine.kv_lengths[-1],
-                                         max_q_len=1, attention_impl="xla"), **kw))
+                               {**base, **kw})
   k = engine.config.multi_step
   return {
       "plain step": verify(plain),
