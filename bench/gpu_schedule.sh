@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU figures of rollout scheduling and multi-step launches, in one go (~7 min on 1 x H100):
+# GPU figures of rollout scheduling and multi-step launches, in one go (~8 min on 1 x H100):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
@@ -8,12 +8,17 @@
 #    step, one plain step per compiled call against MULTI_STEP (default 4).
 # 2. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
 #    residual+divided / oracle, at 1 and at MULTI_STEP steps per launch: wall-clock makespan and
-#    tail against the oracle's, host ms per decode step by part.
+#    tail against the oracle's, host ms per decode step by part; then one more rollout per
+#    policy under cProfile ($OUT/profile_k1/, $OUT/profile_kK/): which host calls (dispatches,
+#    copies, the order's work) take a GPU host's time, which the CPU's profile cannot show.
 # 3. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
 #    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
 #    host mid-call; a bare dispatch near the step's device time shows that sync.
-# Each bench appends its table to bench/RESULTS.md; their logs and a copy of RESULTS.md go to
-# $OUT. float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the
+# 4. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+#    pass with a tiny model (device work negligible), on this machine's host; against the same
+#    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
+# Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
+# RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the
 # earlier H100 and H200 rows of these benches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,11 +33,17 @@ export RHYME_JAX_GSM8K_DIR
 
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
   --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
+cp bench/RESULTS.md "$OUT/RESULTS.md"
 for k in 1 "$K"; do
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
     --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 2 \
-    --compile_threads 8 --multi_step "$k" --note "$NOTE" 2>&1 | tee "$OUT/engine_k$k.log"
+    --compile_threads 8 --multi_step "$k" --profile "$OUT/profile_k$k" --note "$NOTE" 2>&1 |
+    tee "$OUT/engine_k$k.log"
+  cp bench/RESULTS.md "$OUT/RESULTS.md"
 done
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 64 --top_p 0.95 \
   --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead_top_p.log"
+cp bench/RESULTS.md "$OUT/RESULTS.md"
+python bench/divided_host.py --multi_step "1,$K" --rounds 3 --note "$NOTE" 2>&1 |
+  tee "$OUT/divided_host.log"
 cp bench/RESULTS.md "$OUT/RESULTS.md"
