@@ -4,22 +4,25 @@
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
 #
-# 1. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
-#    step, one plain step per compiled call against MULTI_STEP (default 4).
-# 2. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
-#    residual+divided / oracle, at 1 and at MULTI_STEP steps per launch: wall-clock makespan and
-#    tail against the oracle's, host ms per decode step by part; then one more rollout per
-#    policy under cProfile ($OUT/profile_k1/, $OUT/profile_kK/): which host calls (dispatches,
-#    copies, the order's work) take a GPU host's time, which the CPU's profile cannot show.
-# 3. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
-#    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
-#    host mid-call; a bare dispatch near the step's device time shows that sync.
-# 4. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+# Most telling first, so that a lease cut short loses the least:
+# 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
+#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, then at 1:
+#    wall-clock makespan and tail against the oracle's, host ms per decode step by part; then
+#    one more rollout per policy under cProfile ($OUT/profile_k<steps>/): which host calls
+#    (dispatches, copies, the order's work) take a GPU host's time, which the CPU's profile
+#    cannot show.
+# 2. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+#    step, one plain step per compiled call against MULTI_STEP.
+# 3. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
 #    pass with a tiny model (device work negligible), on this machine's host; against the same
 #    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
+# 4. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
+#    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
+#    host mid-call; a bare dispatch near the step's device time shows that sync.
 # Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
-# RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the
-# earlier H100 and H200 rows of these benches.
+# RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
+# at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
+# of these benches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the SmolLM2 GGUF (or an HF checkpoint directory)}"
@@ -30,20 +33,21 @@ NOTE=${NOTE:-"GPU, float32 with JAX_DEFAULT_MATMUL_PRECISION=highest (bench/gpu_
 mkdir -p "$OUT"
 export JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 export RHYME_JAX_GSM8K_DIR
+keep() { cp bench/RESULTS.md "$OUT/RESULTS.md"; }
 
-python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
-  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
-cp bench/RESULTS.md "$OUT/RESULTS.md"
-for k in 1 "$K"; do
+for k in "$K" 1; do
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
     --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 2 \
     --compile_threads 8 --multi_step "$k" --profile "$OUT/profile_k$k" --note "$NOTE" 2>&1 |
     tee "$OUT/engine_k$k.log"
-  cp bench/RESULTS.md "$OUT/RESULTS.md"
+  keep
 done
-python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 64 --top_p 0.95 \
-  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead_top_p.log"
-cp bench/RESULTS.md "$OUT/RESULTS.md"
+python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
+  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
+keep
 python bench/divided_host.py --multi_step "1,$K" --rounds 3 --note "$NOTE" 2>&1 |
   tee "$OUT/divided_host.log"
-cp bench/RESULTS.md "$OUT/RESULTS.md"
+keep
+python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 64 --top_p 0.95 \
+  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead_top_p.log"
+keep

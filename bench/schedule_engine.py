@@ -89,6 +89,7 @@ def parse_args(argv=None):
   p.add_argument("--profile", default="",
                  help="a directory: after the timed runs, one more run per policy under "
                       "cProfile, its busiest host functions written to profile_<policy>.txt "
+                      "(\"+\" as \"_\") "
                       "there (the table keeps the unprofiled runs)")
   args = p.parse_args(argv)
   if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
@@ -260,7 +261,8 @@ def main(argv=None):
   if args.profile:
     os.makedirs(args.profile, exist_ok=True)
     for name in args.policies:
-      path = os.path.join(args.profile, f"profile_{name}.txt")
+      # "+" spelled "_": a file name of letters, digits, "_", "-" and "." travels anywhere
+      path = os.path.join(args.profile, f"profile_{name.replace('+', '_')}.txt")
       with open(path, "w") as f:
         f.write(common.profiled(lambda: run(name), f"{name}: one epoch-1 rollout under cProfile"))
       print(f"[schedule_engine] host profile of {name}: {path}", flush=True)
