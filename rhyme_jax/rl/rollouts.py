@@ -41,6 +41,19 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked
                     "drafted", "accepted", "draft_time_s", "lookahead_time_s", "ahead_hits",
                     "ahead_misses", "yields", "yield_passes")
 
+# Metrics (key prefixes) that two runs of the same flags may log differently: wall times, and
+# what the engine chose from measured times. With `--speculate=auto` the cost model decides
+# from step times whether and how far to draft (so forwards, acceptance and the share of
+# speculative or asking steps move), and divided rollout weighs a yield by its timed copies
+# (so yields move). What is sampled does not move (rollout/tokens_crc32), nor rewards, lengths,
+# data or updates: a resumed run is compared with an uninterrupted one on everything else.
+TIMING_DEPENDENT_METRICS = (
+    "time/", "rollout/tokens_per_s", "rollout/forwards_per_token",
+    "rollout/mean_accepted_length", "rollout/ahead_hit_rate", "rollout/spec_step_frac",
+    "rollout/draft_accept_rate", "rollout/yields", "rollout/yield_passes",
+    "epoch/accepted_length", "epoch/hit_rate", "epoch/drafted_per_step",
+    "epoch/spec_step_frac", "epoch/asked_step_frac")
+
 
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
   """Batch buckets: the step's sample count (or `--rollout_slots` when fewer) and the powers

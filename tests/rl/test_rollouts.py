@@ -12,8 +12,9 @@ from rhyme_jax.history.recording import Recording
 from rhyme_jax.models.loading import load_model
 from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.scoring import Scorer
-from rhyme_jax.rl.rollouts import (Rollouts, combine_stats, engine_config, eval_metrics,
-                                   request_base, rollout_metrics)
+from rhyme_jax.rl.epoch_stats import EpochStats
+from rhyme_jax.rl.rollouts import (TIMING_DEPENDENT_METRICS, Rollouts, combine_stats,
+                                   engine_config, eval_metrics, request_base, rollout_metrics)
 from rhyme_jax.rl.samples import GroupRecord, Sample, encode_prompts, prompt_of
 
 
@@ -136,6 +137,36 @@ def test_rollout_metrics():
   assert m["rollout/ahead_hit_rate"] == 0.25 and m["rollout/rounds"] == 2
   assert m["data/epoch"] == 1 and m["rollout/tokens_per_s"] == 2.0
   assert m["rollout/samples"] == 2
+
+
+def test_metrics_that_move_with_timing_are_the_listed_ones():
+  """Two rollouts that sampled the same tokens but made different timed choices (the cost
+  model's speculation, divided rollout's yields, wall times) differ only in the metrics
+  TIMING_DEPENDENT_METRICS names, per step and per data epoch: resume tests compare the rest
+  with an uninterrupted run, so a metric missing from the list makes them flaky, and a listed
+  one that does not move is compared nowhere."""
+  p = prompt_of(Example("u", "q", "a"), [1, 2], epoch=1)
+  samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
+             Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
+  records = [GroupRecord.of(samples)]
+  # The same 3 tokens; every counter the engine's timed choices set, and every time, differs
+  a = {"tokens": 3, "useful_slot_steps": 3, "steps": 3, "spec_steps": 0, "asked_steps": 0,
+       "drafted": 0, "accepted": 0, "draft_time_s": 0.0, "lookahead_time_s": 0.0,
+       "ahead_hits": 0, "ahead_misses": 0, "yields": 0, "yield_passes": 0, "time/rollout": 1.5,
+       "time/reward": 0.1, "time/rollout_makespan": 1.4, "time/rollout_tail": 0.2}
+  b = {"tokens": 3, "useful_slot_steps": 2, "steps": 2, "spec_steps": 1, "asked_steps": 2,
+       "drafted": 4, "accepted": 1, "draft_time_s": 0.2, "lookahead_time_s": 0.1,
+       "ahead_hits": 1, "ahead_misses": 3, "yields": 2, "yield_passes": 1, "time/rollout": 1.0,
+       "time/reward": 0.2, "time/rollout_makespan": 0.9, "time/rollout_tail": 0.1}
+  moved = set()
+  for ma, mb in ((rollout_metrics(records, 1, a, 1), rollout_metrics(records, 1, b, 1)),
+                 (EpochStats().update(1, a, [1.0, 0.0], [2, 1]),
+                  EpochStats().update(1, b, [1.0, 0.0], [2, 1]))):
+    assert ma.keys() == mb.keys()
+    moved |= {k for k in ma if ma[k] != mb[k]}
+  listed = lambda k: k.startswith(TIMING_DEPENDENT_METRICS)
+  assert moved and all(listed(k) for k in moved), sorted(k for k in moved if not listed(k))
+  assert all(any(k.startswith(prefix) for k in moved) for prefix in TIMING_DEPENDENT_METRICS)
 
 
 def test_hosts_stats_and_eval_combine():
