@@ -120,10 +120,15 @@ def test_schedules_change_when_not_what(tmp_path, smollm2_tokenizer):
   assert out["probe"][2][:3] == [out["probe"][2][0] + 4 * k for k in range(3)]  # probes first
 
 
-def test_rollout_metrics():
+def two_samples():
+  """A prompt's two scored samples: 2 tokens (stopped, right) and 1 (cut at the cap, wrong)."""
   p = prompt_of(Example("u", "q", "a"), [1, 2], epoch=1)
-  samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
-             Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
+  return [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
+          Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
+
+
+def test_rollout_metrics():
+  samples = two_samples()
   records = [GroupRecord.of(samples[:1]), GroupRecord.of(samples[1:])]  # two one-sample rows
   stats = {"tokens": 3, "useful_slot_steps": 2, "steps": 2, "spec_steps": 1, "drafted": 4,
            "accepted": 1, "draft_time_s": 0.0, "lookahead_time_s": 0.0, "ahead_hits": 1,
@@ -145,9 +150,7 @@ def test_metrics_that_move_with_timing_are_the_listed_ones():
   TIMING_DEPENDENT_METRICS names, per step and per data epoch: resume tests compare the rest
   with an uninterrupted run, so a metric missing from the list makes them flaky, and a listed
   one that does not move is compared nowhere."""
-  p = prompt_of(Example("u", "q", "a"), [1, 2], epoch=1)
-  samples = [Sample(p, np.array([5, 6], np.int32), np.zeros(2), "stop", reward=1.0, correct=1.0),
-             Sample(p, np.array([5], np.int32), np.zeros(1), "length", reward=0.0, correct=0.0)]
+  samples = two_samples()
   records = [GroupRecord.of(samples)]
   # The same 3 tokens; every counter the engine's timed choices set, and every time, differs
   a = {"tokens": 3, "useful_slot_steps": 3, "steps": 3, "spec_steps": 0, "asked_steps": 0,

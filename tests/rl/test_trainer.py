@@ -34,8 +34,6 @@ from rhyme_jax.rl.rollouts import TIMING_DEPENDENT_METRICS
 
 ENTRY = os.path.join(os.path.dirname(__file__), "train_entry.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Wall times and what the engine chose from them vary between runs; what is sampled does not.
-TIMING = TIMING_DEPENDENT_METRICS
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +61,8 @@ def run_entry(args, env_extra=None, **kw):
 
 
 def comparable(records):
-  return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING_DEPENDENT_METRICS)}
+          for r in records]
 
 
 def test_children_import_this_checkout():
