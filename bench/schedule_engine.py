@@ -89,8 +89,7 @@ def parse_args(argv=None):
   p.add_argument("--profile", default="",
                  help="a directory: after the timed runs, one more run per policy under "
                       "cProfile, its busiest host functions written to profile_<policy>.txt "
-                      "(\"+\" as \"_\") "
-                      "there (the table keeps the unprofiled runs)")
+                      "there, '+' spelled '_' (the table keeps the unprofiled runs)")
   args = p.parse_args(argv)
   if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
     p.error(f"--profile={args.profile}: exists and is not a directory")

@@ -55,6 +55,13 @@ TIMING_DEPENDENT_METRICS = (
     "epoch/spec_step_frac", "epoch/asked_step_frac")
 
 
+def without_timing(records: Sequence[dict]) -> list[dict]:
+  """Logged metric records less their TIMING_DEPENDENT_METRICS: what two runs of the same
+  flags (a resumed one and an uninterrupted one) must log alike."""
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING_DEPENDENT_METRICS)}
+          for r in records]
+
+
 def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> EngineConfig:
   """Batch buckets: the step's sample count (or `--rollout_slots` when fewer) and the powers
   of two below it."""

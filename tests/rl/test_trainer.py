@@ -30,7 +30,7 @@ import train_entry
 from rhyme_jax.config import parse_flags
 from rhyme_jax.rollout.engine import TRACE_COUNTS
 from rhyme_jax.metrics import read_metrics
-from rhyme_jax.rl.rollouts import TIMING_DEPENDENT_METRICS
+from rhyme_jax.rl.rollouts import without_timing
 
 ENTRY = os.path.join(os.path.dirname(__file__), "train_entry.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,11 +58,6 @@ def run_entry(args, env_extra=None, **kw):
   env = entry_env(**(env_extra or {}))
   return subprocess.run([sys.executable, ENTRY, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, **kw)
-
-
-def comparable(records):
-  return [{k: v for k, v in r.items() if not k.startswith(TIMING_DEPENDENT_METRICS)}
-          for r in records]
 
 
 def test_children_import_this_checkout():
@@ -176,7 +171,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
   want = read_metrics(tmp_path / "ref" / "metrics.jsonl")
   assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
   assert [r["data/batch_hash"] for r in got] == [r["data/batch_hash"] for r in want]
-  assert comparable(got) == comparable(want)
+  assert without_timing(got) == without_timing(want)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +209,7 @@ def test_sigterm_saves_exits_cleanly_and_resume_repeats_nothing(tiny_model, tmp_
   assert f"at step {stopped}" in resumed.stderr
   got = read_metrics(metrics)
   assert [r["step"] for r in got] == [1, 2, 3, 4]  # nothing skipped, nothing repeated
-  assert comparable(got) == comparable(reference_run)
+  assert without_timing(got) == without_timing(reference_run)
 
 
 @pytest.mark.slow
@@ -236,4 +231,4 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(tiny_model, tmp_
   assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 3, 4]
   got = read_metrics(run_dir / "metrics.jsonl")
   assert [r["step"] for r in got] == [1, 2, 3, 4]  # step 3 redone from step 2's state
-  assert comparable(got) == comparable(reference_run)
+  assert without_timing(got) == without_timing(reference_run)
