@@ -8,8 +8,9 @@ device work is negligible, so the figure does not depend on the model: 64 yields
 resume, no waits; one per copy call, and in passes of 4 as the engine now copies a pass's
 yields together) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
 loading), the fastest of 5 rounds, each tree in its own process; and one pass of yield checks
-(32 running requests asked with 96 waiting, history_residual), and residual-life estimates that
-miss the order's cache (`LengthPredictor.remaining_tokens`).
+(32 running requests asked with 96 waiting, history_residual), residual-life estimates that
+miss the order's cache (`LengthPredictor.remaining_tokens`), and admission choices over 96
+waiting requests (`next_to_admit`, once per admission and per rule a yield pass builds).
 
   python bench/yield_cost.py --old /tmp/old_checkout
 """
@@ -28,6 +29,7 @@ from bench import common  # noqa: E402  (imports no rhyme_jax: a worker picks it
 YIELDS, ADMITS, ROUNDS = 64, 16, 5
 PASS = 4  # yields per engine pass (bench/schedsim.py's traces: 3 to 5 where a pass yields)
 CHECKS, QUEUED = 32, 96  # a yield-check pass: running requests asked, requests waiting
+PICKS = 200  # admission choices timed per round
 
 
 def measure(code: str) -> dict:
@@ -65,7 +67,8 @@ def measure(code: str) -> dict:
       jax.block_until_ready(cache)
   return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield[1],
               per_yield_pass_us=1e6 * per_yield[PASS], per_admit_us=1e6 * per_admit,
-              per_check_us=1e6 * check_pass(), per_miss_us=1e6 * residual_miss())
+              per_check_us=1e6 * check_pass(), per_miss_us=1e6 * residual_miss(),
+              per_pick_us=1e6 * admission_pick())
 
 
 def yields(pool, cache, per_pass: int):
@@ -126,6 +129,36 @@ def check_pass() -> float:
   return best / CHECKS
 
 
+def admission_pick() -> float:
+  """Host seconds per admission choice (`EngineOrder.next_to_admit`) under history_residual,
+  with QUEUED requests waiting, half of them started (yielded earlier, each at its own length);
+  prompt keys are 32-character hex digests, as the trainer's (`history.store.prompt_key`);
+  the fastest of ROUNDS rounds of PICKS choices over the same queue (the order's caches warm,
+  as for every admission after a request's first)."""
+  import numpy as np
+  from rhyme_jax.rollout.engine import Request
+  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  rng = np.random.default_rng(0)
+  keys = [f"{k:032x}" for k in rng.integers(0, 1 << 62, 16)]
+  table = LengthTable()
+  for k in keys:
+    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  queue = [Request(1000 + i, [1], prompt_key=keys[i % 16], group_id=i % 16)
+           for i in range(QUEUED)]
+  order = EngineOrder(make_policy("history_residual", predictor=LengthPredictor(table)))
+  order.order(queue)
+  live = {r.request_id: 1 + (7 * i) % 200 for i, r in enumerate(queue) if i % 2}
+  order.next_to_admit(queue, {}, live)
+  best = float("inf")
+  for _ in range(ROUNDS):
+    t0 = time.perf_counter()
+    for _ in range(PICKS):
+      order.next_to_admit(queue, {}, live)
+    best = min(best, time.perf_counter() - t0)
+  return best / PICKS
+
+
 def residual_miss() -> float:
   """Host seconds per `LengthPredictor.remaining_tokens` call that misses the order's cache (a
   running request asked at a length not asked before: every yield check of it), 16 prompts x 8
@@ -161,13 +194,15 @@ def main(argv=None):
   table = common.markdown_table(
       ["code", "host us per yield (park + resume)", "ratio",
        f"host us per yield, passes of {PASS}", "ratio", "host us per admitted request",
-       "ratio", "host us per yield check", "ratio", "host us per residual-life miss", "ratio"],
+       "ratio", "host us per yield check", "ratio", "host us per residual-life miss", "ratio",
+       f"host us per admission choice, {QUEUED} queued", "ratio"],
       [[r["code"], f"{r['per_yield_us']:.0f}", f"{r['per_yield_us'] / base['per_yield_us']:.2f}",
         f"{r['per_yield_pass_us']:.0f}",
         f"{r['per_yield_pass_us'] / base['per_yield_pass_us']:.2f}",
         f"{r['per_admit_us']:.0f}", f"{r['per_admit_us'] / base['per_admit_us']:.2f}",
         f"{r['per_check_us']:.1f}", f"{r['per_check_us'] / base['per_check_us']:.2f}",
-        f"{r['per_miss_us']:.1f}", f"{r['per_miss_us'] / base['per_miss_us']:.2f}"]
+        f"{r['per_miss_us']:.1f}", f"{r['per_miss_us'] / base['per_miss_us']:.2f}",
+        f"{r['per_pick_us']:.1f}", f"{r['per_pick_us'] / base['per_pick_us']:.2f}"]
        for r in rows])
   print(table)
   if not args.no_append:
@@ -185,6 +220,10 @@ def main(argv=None):
                                  "residual-life miss: LengthPredictor.remaining_tokens for "
                                  "(prompt, tokens so far) pairs not asked before (16 prompts x "
                                  "8 kept lengths, 64 lengths each), per call",
+                                 f"admission choice: EngineOrder.next_to_admit under "
+                                 f"history_residual over {QUEUED} queued requests, half of "
+                                 "them started, 32-character prompt keys (the trainer's); "
+                                 f"fastest of {ROUNDS} rounds of {PICKS}",
                                  *args.note])
 
 

@@ -228,6 +228,7 @@ class ResidualPolicy:
     self.predictor, self.kv_budget = predictor, kv_budget
     self.set_yield_cost(yield_cost)
     self._cache: dict[tuple[Hashable, int, int], float] = {}
+    self._keys: dict[int, tuple[RequestMeta, int, tuple[float, int]]] = {}  # next_to_admit's
     self._work = (0, 0.0)  # (requests, mean expected length) of the last `order`
 
   def set_yield_cost(self, steps: float) -> None:
@@ -251,7 +252,7 @@ class ResidualPolicy:
     return left
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
-    self._cache = {}
+    self._cache, self._keys = {}, {}
     expected = [self.remaining(m, 0) for m in queue]
     self._work = (len(queue), float(np.mean(expected)) if expected else 0.0)
     perm = longest_first(expected, [m.index for m in queue])
@@ -278,13 +279,29 @@ class ResidualPolicy:
     if not queue:
       raise IndexError(f"{self.name}.next_to_admit: empty queue")
     # The engine asks once per admission and once per pass that offers yields, over the whole
-    # queue, between two decode steps: one flat pass of tuple keys (a queued request's work
-    # does not change while it waits, so `remaining` is a cache hit after its first ask).
-    remaining, get = self.remaining, live.get
-    started = (self.kv_budget is not None and len(live) >= self.kv_budget and
-               any(m.request_id in live for m in queue))  # at the cap only started ones resume
-    return min([(-remaining(m, get(m.request_id, 0)), m.index, i) for i, m in enumerate(queue)
-                if not started or m.request_id in live])[2]
+    # queue, between two decode steps. A queued request's work does not change while it waits,
+    # so its sort key is kept per request id (`_keys`: the meta it was made for, its tokens
+    # so far, the key) and the pass is a dict lookup and a comparison per queued request.
+    started_only = (self.kv_budget is not None and len(live) >= self.kv_budget and
+                    any(m.request_id in live for m in queue))  # at the cap only started resume
+    keys, get = self._keys, live.get
+    best, best_key = -1, None
+    for i, m in enumerate(queue):
+      rid = m.request_id
+      n = get(rid)
+      if n is None:
+        if started_only:
+          continue
+        n = 0
+      kept = keys.get(rid)
+      if kept is not None and kept[0] is m and kept[1] == n:
+        key = kept[2]
+      else:
+        key = (-self.remaining(m, n), m.index)
+        keys[rid] = (m, n, key)
+      if best_key is None or key < best_key:
+        best, best_key = i, key
+    return best
 
 
 class EngineOrder:

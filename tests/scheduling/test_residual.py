@@ -205,3 +205,19 @@ def test_a_step_that_yields_pays_its_pass_once():
     assert (r.yields, r.yield_passes) == (free.yields, free.yield_passes)
     assert r.makespan_ms == pytest.approx(free.makespan_ms + yield_ms * r.yields
                                           + pass_ms * r.yield_passes)
+
+
+def test_next_to_admit_keys_follow_the_live_counts_and_the_metas():
+  # next_to_admit keeps each queued request's sort key between calls; a new count in `live`
+  # or another meta under the same request id must be ranked afresh, as a fresh policy would.
+  pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
+  a, b = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
+  pol = ResidualPolicy(pred)
+  pol.order([a, b])
+  for live in ({}, {0: 20}, {}, {1: 20}, {0: 20, 1: 5}, {0: 100}, {}):
+    assert pol.next_to_admit([a, b], {}, live) == ResidualPolicy(pred).next_to_admit(
+        [a, b], {}, live), live
+  assert pol.next_to_admit([a, b], {}, {}) == 1  # p1's 40 beats p0's 32.5
+  a_long = RequestMeta(0, 0, "p1", 0, 1000)  # request 0 again, now of the longer prompt
+  assert pol.next_to_admit([a_long, b], {}, {}) == 0  # ties at 40: data order
+  assert pol.next_to_admit([b, a_long], {}, {}) == 1
