@@ -92,6 +92,16 @@ def yields(pool, cache, per_pass: int):
   return cache
 
 
+def history_table(rng, keys):
+  """A LengthTable of one epoch: 8 kept lengths in [20, 256) for each of `keys`, drawn from
+  `rng` (the history the yield check, admission choice and residual-life rows rank by)."""
+  from rhyme_jax.scheduling.predictor import LengthTable
+  table = LengthTable()
+  for k in keys:
+    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  return table
+
+
 def check_pass() -> float:
   """Host seconds per running request asked whether to yield, in one pass of
   `slots_to_yield` over CHECKS running requests (all due) with QUEUED requests waiting, under
@@ -101,11 +111,9 @@ def check_pass() -> float:
   from rhyme_jax.rollout.engine import Request
   from rhyme_jax.rollout.live import LiveRequest
   from rhyme_jax.scheduling.admission import EngineOrder, make_policy
-  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  from rhyme_jax.scheduling.predictor import LengthPredictor
   rng = np.random.default_rng(0)
-  table = LengthTable()
-  for k in range(16):
-    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  table = history_table(rng, range(16))
   reqs = [Request(1000 + i, [1], prompt_key=i % 16, group_id=i % 16)
           for i in range(CHECKS + QUEUED)]
   order = EngineOrder(make_policy("history_residual", predictor=LengthPredictor(table)))
@@ -138,12 +146,10 @@ def admission_pick() -> float:
   import numpy as np
   from rhyme_jax.rollout.engine import Request
   from rhyme_jax.scheduling.admission import EngineOrder, make_policy
-  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  from rhyme_jax.scheduling.predictor import LengthPredictor
   rng = np.random.default_rng(0)
   keys = [f"{k:032x}" for k in rng.integers(0, 1 << 62, 16)]
-  table = LengthTable()
-  for k in keys:
-    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  table = history_table(rng, keys)
   queue = [Request(1000 + i, [1], prompt_key=keys[i % 16], group_id=i % 16)
            for i in range(QUEUED)]
   order = EngineOrder(make_policy("history_residual", predictor=LengthPredictor(table)))
@@ -164,11 +170,9 @@ def residual_miss() -> float:
   running request asked at a length not asked before: every yield check of it), 16 prompts x 8
   kept lengths, each (prompt, length) once; the fastest of ROUNDS fresh predictors."""
   import numpy as np
-  from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+  from rhyme_jax.scheduling.predictor import LengthPredictor
   rng = np.random.default_rng(0)
-  table = LengthTable()
-  for k in range(16):
-    table.add(k, 0, rng.integers(20, 256, 8).tolist())
+  table = history_table(rng, range(16))
   asks = [(k, n) for n in range(0, 256, 4) for k in range(16)]
   best = float("inf")
   for _ in range(ROUNDS):

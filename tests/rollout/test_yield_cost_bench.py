@@ -20,4 +20,3 @@ def test_one_row_of_positive_host_times(capsys):
   assert len(cells) == 13
   for time_us, ratio in zip(cells[1::2], cells[2::2]):  # each time and its ratio to itself
     assert float(time_us) > 0 and float(ratio) == 1.0
-
