@@ -8,7 +8,7 @@
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
 #    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, then at 1:
 #    wall-clock makespan and tail against the oracle's, host ms per decode step by part; then
-#    one more rollout per policy under cProfile ($OUT/profile_k<steps>/): which host calls
+#    one more rollout per policy under cProfile ($OUT/profiles.tgz): which host calls
 #    (dispatches, copies, the order's work) take a GPU host's time, which the CPU's profile
 #    cannot show.
 # 2. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
@@ -42,6 +42,9 @@ for k in "$K" 1; do
     tee "$OUT/engine_k$k.log"
   keep
 done
+# the profiles in one archive: a lease brings back at most 8 files from $OUT (this script
+# leaves 7 there: RESULTS.md, five logs, profiles.tgz)
+(cd "$OUT" && tar -czf profiles.tgz profile_k*/ && rm -r profile_k*/)
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
   --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
 keep
