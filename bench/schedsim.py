@@ -95,12 +95,17 @@ class Scenario:
   chunk: int = 0
   keep_kv: bool = True  # divided rollout: a yielded request's KV stays (else re-prefilled)
   kv_rows: float = 0  # history_residual's cap on started requests, x slots (0: none)
+  multi_step: int = 1  # plain steps per launch (the engine's EngineConfig.multi_step)
+  pipeline: bool = False  # outputs read one launch late, as the engine reads them
 
   def label(self) -> str:
     spec = f"a={self.accepted:g}@T{self.budget}" if self.accepted > 1 else "off"
     return (f"{self.table} | {self.shards}x{self.slots} | {'yes' if self.shrink else 'no'} | "
             f"{spec} | {self.plan} | "
-            f"{self.chunk_label()}")
+            f"{self.chunk_label()} | {self.launch_label()}")
+
+  def launch_label(self) -> str:
+    return f"{self.multi_step}" + (" piped" if self.pipeline else "")
 
   def chunk_label(self) -> str:
     if not self.chunk:
@@ -136,6 +141,12 @@ def scenarios(args, num_requests: int = 128, chunk: int = 64) -> list[Scenario]:
           Scenario("cpu", c, chunk=chunk, kv_rows=2),
           Scenario("h100", h, chunk=chunk, keep_kv=False),  # KV dropped when a request yields
           Scenario("cpu", c, chunk=chunk, keep_kv=False)]
+  # As the engine runs (bench/schedule_engine.py): outputs read one launch late; on the GPU
+  # 4 plain steps per launch (bench/gpu_schedule.sh), on the CPU one.
+  out += [Scenario("h100", h, multi_step=4, pipeline=True),
+          Scenario("h100", h, chunk=chunk, multi_step=4, pipeline=True),
+          Scenario("cpu", c, pipeline=True),
+          Scenario("cpu", c, chunk=chunk, pipeline=True)]
   return out
 
 
@@ -234,7 +245,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                       accepted=((sc.budget, sc.accepted),) if sc.accepted > 1 else (),
                       prefill_ms_per_token=PREFILL_MS_PER_TOKEN[sc.table],
                       divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table],
-                                             args.yield_pass_ms[sc.table]))
+                                             args.yield_pass_ms[sc.table]),
+                      multi_step=sc.multi_step, pipeline=sc.pipeline)
       # The order is told a pass of one yield, in steps of the batch (as the engine tells it).
       yield_cost = ((args.yield_ms[sc.table] + args.yield_pass_ms[sc.table])
                     / table.ms(sc.slots, 0))
@@ -268,13 +280,15 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
       if sc.shards > 1 or not sc.shrink or sc.accepted > 1:
         continue
       for pol, res in results.items():  # the main and divided scenarios in full
-        detail.append([name, label[0], label[1], label[5], pol, f"{res.makespan_ms / 1e3:.2f}",
+        detail.append([name, label[0], label[1], label[5], label[6], pol,
+                       f"{res.makespan_ms / 1e3:.2f}",
                        f"{res.tail_ms / 1e3:.2f}", f"{res.utilisation:.3f}", res.peak_started,
                        res.yields, res.yield_passes,
                        f"{res.makespan_ms / oracle.makespan_ms:.3f}",
                        (f"{res.tail_ms / oracle.tail_ms:.2f}" if oracle.tail_ms > 0 else "-"),
                        cut(res)])
-      if args.blind_draws and not sc.chunk:
+      engine_like = sc.multi_step > 1 or sc.pipeline
+      if args.blind_draws and not sc.chunk and not engine_like:
         b = blind_draws(cases, table, cfg, args.blind_draws, args.seed)
         lengths = np.concatenate([c.lengths for c in cases])
         args.blind_rows.append([
@@ -287,7 +301,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
       for pol in ("history", "history_residual") if sc.chunk else ("history",):
         h = results[pol]
         notes.append(f"targets, {name} [{sc.table} 1x{sc.slots}"
-                     f"{f', chunk {label[5]}' if sc.chunk else ''}]: {pol} makespan / oracle "
+                     f"{f', chunk {label[5]}' if sc.chunk else ''}"
+                     f"{f', launch {label[6]}' if engine_like else ''}]: {pol} makespan / oracle "
                      f"{h.makespan_ms / oracle.makespan_ms:.3f} (target <= 1.02; / oracle_group "
                      f"{h.makespan_ms / results['oracle_group'].makespan_ms:.3f}), tail cut vs "
                      f"FIFO {cut(h)} (target >= 75%)")
@@ -355,14 +370,15 @@ def main(argv=None) -> None:
     return
   detail, summary, overlap, notes = run(args)
   table = common.markdown_table(
-      ["trace", "table", "shards x slots", "chunk", "policy", "makespan s", "tail s", "slot util",
-       "peak started", "yields", "yield passes", "makespan / oracle", "tail / oracle",
-       "tail cut vs fifo"],
+      ["trace", "table", "shards x slots", "chunk", "launch", "policy", "makespan s", "tail s",
+       "slot util", "peak started", "yields", "yield passes", "makespan / oracle",
+       "tail / oracle", "tail cut vs fifo"],
       detail)
   table += ("\n\nEvery scenario: the history order's makespan (compare plans by it), makespan / "
             "oracle per policy (same trace, plan and step times in a row), tail cut vs FIFO\n\n")
   table += common.markdown_table(
-      ["trace", "table", "shards x slots", "shrink", "spec", "plan", "chunk", "history s"]
+      ["trace", "table", "shards x slots", "shrink", "spec", "plan", "chunk", "launch",
+       "history s"]
       + [p for p in POLICIES[:-1]] + ["tail cut: history", "probe", "history_residual", "oracle"],
       summary)
   if args.blind_rows:
@@ -421,8 +437,11 @@ def main(argv=None) -> None:
            f"{args.yield_pass_ms['cpu']:g} ms more (a pass's copies share one call each way)"
            if any(args.yield_pass_ms.values()) else "") + "; the order is told a pass of one "
         "yield; "
-        "history_residual yields only to a margin of sqrt(yield cost in steps x requests x mean "
-        "expected length) - chunk more expected remaining tokens (ResidualPolicy.yield_margin)",
+        "history_residual yields only to a margin of sqrt(yield cost in steps x expected tokens "
+        "left) - chunk more expected remaining tokens (ResidualPolicy.yield_margin; tokens left = "
+        "requests x mean expected length less the tokens generated so far)",
+        "launch = plain steps per launch ('piped': outputs read one launch late, as the engine "
+        "reads them; scheduling/simulate.py); the other scenarios read every step at once",
     ] + notes + args.note
     common.append_results("Rollout scheduling simulator (bench/schedsim.py)", table, notes)
 

@@ -342,7 +342,8 @@ def main(argv=None):
            "shorter bucket puts the whole step there",
            f"sampled tokens identical across policies: {'yes' if same else 'NO'}",
            *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: a pass of one "
-             f"yield / a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens"
+             f"yield / a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens at the "
+             "opening (it shrinks with the work left)"
              for name, (c, m) in margins.items()],
            *args.note]
   if not args.no_append:

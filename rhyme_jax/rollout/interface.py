@@ -48,9 +48,10 @@ class AdmissionOrder(Protocol):
 
   An online order whose rule reads nothing that changes while the queue, `finished` and the
   number of live requests stay as they are (a running request's count it reads from `live`
-  when asked) may set `stable_rule = True`: the engine then keeps one rule across passes
-  until a request is queued, admitted or finishes (`divided.YieldRules`), instead of
-  rebuilding it every pass. `live` is then the engine's own map, updated in place.
+  when asked), or whose rule only grows more reluctant to yield as it ages, may set
+  `stable_rule = True`: the engine then keeps one rule across passes until a request is
+  queued, admitted or finishes (`divided.YieldRules`), instead of rebuilding it every pass.
+  `live` is then the engine's own map, updated in place.
   """
 
   def order(self, requests: Sequence[Request]) -> Sequence[Request]: ...

@@ -201,14 +201,16 @@ class ResidualPolicy:
   requests (the KV pool's sequence capacity): at the cap only started requests resume.
 
   A yield is not free: two KV row copies and their dispatch, `yield_cost` decode steps of the
-  whole batch (the engine measures it at warm-up: `set_yield_cost`). Pure LRPT keeps requests
-  of near-equal expected remaining work level by swapping them every chunk, which on a GPU,
-  where a 135M model's step is a few ms, cost more than the tail it cut (bench/RESULTS.md,
-  H200). So a running request yields only to a margin more remaining work: with margin m a
-  pair swaps once per m + chunk tokens, so N requests of mean expected length L make about
-  N L / (m + chunk) yields at Y steps each, while the margin lets the makespan slip by at most
-  about m steps; the sum is least at m + chunk = sqrt(Y N L) (`yield_margin`). Where yields
-  are cheap against a step (the CPU) the margin is 0, plain LRPT.
+  batch (measured at the engine's warm-up: `set_yield_cost`). Pure LRPT swaps requests of
+  near-equal expected work every chunk, which on a GPU cost more than the tail it cut
+  (bench/RESULTS.md, H200). So a running request yields only to a margin m more remaining
+  work: the W tokens of expected work still to generate make about W / (m + chunk) yields of
+  Y steps each, while the margin lets the makespan slip by about m steps; the sum is least at
+  m + chunk = sqrt(Y W) (`yield_margin`). W is the opening work (requests x mean expected
+  length) less the tokens generated since, so the margin shrinks to plain LRPT over the last
+  chunks of work, where the tail is decided (a margin fixed at the opening work left the last
+  requests up to m tokens apart: bench/RESULTS.md, 2026-11-27, the simulator with the
+  engine's 4-step launches read a launch late).
 
   Reads tokens-so-far of queued requests from `live` (the simulator keeps a yielded request's
   count there, so len(live) = requests started and unfinished); ties go to data order,
@@ -218,7 +220,8 @@ class ResidualPolicy:
   online = True
   name = "history_residual"
   # Its yield rule reads the queue, len(live) and queued requests' counts, none of which move
-  # while only running requests advance: the engine may keep it across passes.
+  # while only running requests advance, and the tokens generated so far (its margin), which
+  # only shrink the margin: the engine may keep the rule across passes.
   stable_rule = True
 
   def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None,
@@ -230,6 +233,7 @@ class ResidualPolicy:
     self._cache: dict[tuple[Hashable, int, int], float] = {}
     self._keys: dict[int, tuple[RequestMeta, int, tuple[float, int]]] = {}  # next_to_admit's
     self._work = (0, 0.0)  # (requests, mean expected length) of the last `order`
+    self._ids: frozenset = frozenset()  # its request ids
 
   def set_yield_cost(self, steps: float) -> None:
     """One yield's cost in decode steps of the batch (its two KV row copies / a step)."""
@@ -237,11 +241,19 @@ class ResidualPolicy:
       raise ValueError(f"ResidualPolicy: yield_cost={steps}: must be a finite number >= 0")
     self.yield_cost = float(steps)
 
-  def yield_margin(self, chunk: int) -> float:
+  def yield_margin(self, chunk: int, done: float = 0.0) -> float:
     """Expected remaining tokens a queued request needs beyond a running one's to take its
-    slot: sqrt(yield_cost x requests x mean expected length) - chunk, at least 0."""
+    slot: sqrt(yield_cost x work left) - chunk, at least 0, where the work left is the opening
+    work of the last `order` (requests x mean expected length) less `done`, the tokens its
+    requests generated since (finished responses and started requests' tokens so far)."""
     n, mean = self._work
-    return max(0.0, math.sqrt(self.yield_cost * n * mean) - chunk)
+    return max(0.0, math.sqrt(self.yield_cost * max(n * mean - done, 0.0)) - chunk)
+
+  def done_tokens(self, finished: Mapping[int, int], live: Mapping[int, int]) -> float:
+    """Tokens the last `order`'s requests generated: finished lengths and counts so far."""
+    ids = self._ids
+    return float(sum(n for rid, n in finished.items() if rid in ids)
+                 + sum(n for rid, n in live.items() if rid in ids))
 
   def remaining(self, meta: RequestMeta, generated: int) -> float:
     k = (meta.prompt_key, generated, meta.max_new_tokens)
@@ -253,6 +265,7 @@ class ResidualPolicy:
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
     self._cache, self._keys = {}, {}
+    self._ids = frozenset(m.request_id for m in queue)
     expected = [self.remaining(m, 0) for m in queue]
     self._work = (len(queue), float(np.mean(expected)) if expected else 0.0)
     perm = longest_first(expected, [m.index for m in queue])
@@ -261,12 +274,15 @@ class ResidualPolicy:
   def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
     """Whether a running request (tokens so far in `live`) should give its slot to the
     request `next_to_admit` picks from `queue`: when that one has more expected remaining work
-    by over `yield_margin(chunk)` (LRPT with a `chunk`-long quantum and a margin for the
-    yield's cost; at yield_cost 0, strictly more). The pick and its work are found once, for
-    all the running requests asked while `queue` and `live` stay as they are."""
+    by over `yield_margin` (LRPT with a `chunk`-long quantum and a margin for the yield's cost
+    over the work left; at yield_cost 0, strictly more). The pick, its work and the margin are
+    found once, for all the running requests asked while `queue` and `live` stay as they are
+    (kept across passes, the margin is the one of when the rule was made: a little larger
+    than today's, never smaller)."""
     best = queue[self.next_to_admit(queue, finished, live)]
     best_left = self.remaining(best, live.get(best.request_id, 0))
-    margin = self.yield_margin(chunk)
+    margin = (self.yield_margin(chunk, self.done_tokens(finished, live)) if self.yield_cost
+              else 0.0)
     return lambda running: (best_left > self.remaining(running, live.get(running.request_id, 0))
                             + margin)
 

@@ -31,6 +31,17 @@ all for `pass_ms` more (the engine copies a pass's rows in one call each way). A
 yield (or one with an empty queue) requeues the request where it balances shards, resuming in
 place for free on its own. The `live` map handed to `next_to_admit` also holds the tokens so
 far of yielded requests still queued (what an online policy needs to rank a resumption).
+
+Launches (`multi_step` > 1, the engine's `EngineConfig.multi_step`): a stretch of plain steps
+runs as one launch of that many steps, shortened to one step by the engine's token-cap rule
+(`rollout.loop.Rollout._launch_steps`: while requests wait, where a row would reach its cap
+inside the launch; with none waiting, where every row would). A request that ends inside a
+launch holds its row until the launch ends, and is recorded as finished at the launch's end.
+Pipelining (`pipeline`, the engine's default): the engine dispatches a launch before it reads
+the one before, so admissions and yields see each launch's outputs one launch late, and a row
+that finished stays in the batch (computing nothing) for one more launch while requests wait;
+a yielded request rejoins the queue once the launch it was still in is read. A shard with
+nothing left to admit reads at once, as the engine does before a bucket move.
 """
 
 from __future__ import annotations
@@ -71,8 +82,12 @@ class SimConfig:
   accepted: tuple[tuple[int, float], ...] = ()  # speculation: (budget, mean accepted length)
   prefill_ms_per_token: float = 0.0
   divided: DividedRollout = DividedRollout()
+  multi_step: int = 1  # plain steps per launch (speculative steps run one per launch)
+  pipeline: bool = False  # outputs read one launch late (the engine's `pipeline`)
 
   def __post_init__(self):
+    if self.multi_step < 1:
+      raise ValueError(f"SimConfig: multi_step={self.multi_step}: must be >= 1")
     if self.slots < 1 or self.shards < 1:
       raise ValueError(f"SimConfig: slots={self.slots}, shards={self.shards}: must be >= 1")
     if self.slots not in self.buckets:
@@ -90,7 +105,8 @@ class _Job:
   progress: float = 0.0
   since: float = 0.0  # progress when last admitted
   shard: int = -1  # shard it last ran on
-  yielded_at: int = -1  # its shard's step count when it last yielded
+  yielded_at: int = -1  # its shard's launch count when it last yielded
+  seen: float = 0.0  # progress as the host last read it (pipelining: a launch behind)
 
 
 @dataclasses.dataclass
@@ -108,6 +124,7 @@ class SimResult:
   peak_started: int = 0  # most requests started and unfinished at once (KV held), all shards
   yields: int = 0  # divided rollout: slots given up
   yield_passes: int = 0  # steps of a shard that gave up at least one (one copy call each way)
+  launches: int = 0  # compiled calls: steps, fewer with multi_step > 1
 
 
 def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
@@ -149,8 +166,12 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   finish_at: dict[int, float] = {}
   t = [0.0] * cfg.shards
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
+  # Pipelining: per shard, the last launch's rows with their progress, not read yet, the
+  # requests that yielded while it ran (they rejoin a queue once it is read), and its steps.
+  unread: list[tuple[list, list[_Job], int] | None] = [None] * cfg.shards  # (+ its steps)
   steps = spec_steps = prefill_tokens = migrations = peak_started = yields = passes = 0
-  shard_steps = [0] * cfg.shards
+  launches = 0
+  shard_launches = [0] * cfg.shards
   started = 0
   tokens = busy = now = 0.0
 
@@ -164,8 +185,43 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
               and len(rows[d]) + len(queues[d]) >= len(rows[s]) + 2]
     return max(others, key=lambda d: (len(queues[d]), -d)) if others else None
 
+  def requeue(j: _Job, s: int) -> None:
+    """A yielded request rejoins the queue where it balances shards: the fewest live + queued,
+    its own first."""
+    d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
+    if policies[d].online:
+      queues[d].append(j)
+    else:  # started requests outrank every request still waiting under a static order
+      queues[d].insert(sum(x.progress > 0 for x in queues[d]), j)
+
+  def read(s: int) -> None:
+    """The host reads shard `s`'s unread launch: requests that ended in it finish (their rows
+    free up), the others' counts advance, and the requests that yielded meanwhile rejoin."""
+    nonlocal started
+    snapshot, landed, _ = unread[s]
+    unread[s] = None
+    for j, progress in snapshot:
+      rid = j.meta.request_id
+      if rid in finished:
+        continue
+      j.seen = progress
+      if progress >= j.length:
+        finished[rid] = j.length
+        live_len.pop(rid, None)
+        started -= 1
+        for where in (rows, queues):  # a free yield may have moved it since (divided rollout)
+          for i, lst in enumerate(where):
+            if any(x is j for x in lst):
+              where[i] = [x for x in lst if x is not j]
+      else:
+        live_len[rid] = int(progress)
+    for j in landed:
+      if j.meta.request_id not in finished:
+        requeue(j, s)
+
   while True:
-    active = [s for s in range(cfg.shards) if rows[s] or donor(s) is not None]
+    active = [s for s in range(cfg.shards)
+              if rows[s] or unread[s] is not None or donor(s) is not None]
     if not active:
       break
     s = min(active, key=lambda s: (t[s] if rows[s] else max(t[s], now), s))
@@ -176,43 +232,60 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       queue = queues[d]
       j = queue.pop(policies[d].next_to_admit([x.meta for x in queue], finished, live_len))
       resumed_in_place = j.shard == s and (cfg.divided.keep_kv or
-                                           j.yielded_at == shard_steps[s])
+                                           j.yielded_at == shard_launches[s])
       if j.progress == 0 or not resumed_in_place:
         prefill += j.meta.prompt_len + int(j.progress)
         migrations += j.progress > 0 and j.shard != s
       started += j.progress == 0
-      j.shard, j.since = s, j.progress
+      j.shard, j.since = s, j.seen
       rows[s].append(j)
-      live_len[j.meta.request_id] = int(j.progress)
+      live_len[j.meta.request_id] = int(j.seen)
+    if not rows[s]:  # nothing to run until the launch in flight is read
+      read(s)
+      continue
     prefill_tokens += prefill
     t[s] += prefill * cfg.prefill_ms_per_token
-    live = len(rows[s])
-    bucket = bucket_for(live, buckets) if cfg.shrink else cfg.slots
+    bucket = bucket_for(len(rows[s]), buckets) if cfg.shrink else cfg.slots
     budget, advance = table.best_budget(bucket, accepted) if accepted else (0, 1.0)
+    waiting = donor(s) is not None
+    k = 1
+    if cfg.multi_step > 1 and budget == 0:  # the engine's token-cap rule for a launch
+      # The engine counts a row's tokens as read plus the launch in flight's (it cannot know
+      # that one ended inside it): progress, but for a row that ended in the unread launch.
+      ended = {id(j): j.seen + unread[s][2] for j, _ in unread[s][0]} if unread[s] else {}
+      left = [j.meta.max_new_tokens - ended.get(id(j), j.progress) for j in rows[s]
+              if j.meta.max_new_tokens]
+      if not left or (min(left) if waiting else max(left)) >= cfg.multi_step:
+        k = cfg.multi_step
     dt = table.ms(bucket, budget)
-    t[s] += dt
-    steps += 1
-    shard_steps[s] += 1
+    t[s] += k * dt
+    steps += k
+    launches += 1
+    shard_launches[s] += 1
     peak_started = max(peak_started, started)
     spec_steps += budget > 0
-    busy += live * dt
-    keep, yielded = [], []
     for j in rows[s]:
-      step_tokens = min(advance, j.length - j.progress)
+      if j.progress >= j.length:  # ended in the launch before, not read yet: a dead row
+        continue
+      step_tokens = min(advance * k, j.length - j.progress)
+      busy += dt * min(k, math.ceil(step_tokens / advance - 1e-9))
       j.progress += step_tokens
       tokens += step_tokens
-      rid = j.meta.request_id
       if j.progress >= j.length:
-        finished[rid] = j.length
-        finish_at[rid] = t[s]
-        live_len.pop(rid, None)
-        started -= 1
-        continue
-      live_len[rid] = int(j.progress)
-      keep.append(j)
-    rule, real = None, 0
-    for j in list(keep):  # divided rollout: asked as rollout/divided.py asks, once per pass
-      if not cfg.divided.should_yield(j.progress - j.since):
+        finish_at[j.meta.request_id] = t[s]
+    launched = ([(j, j.progress) for j in rows[s]], [], k)
+    if cfg.pipeline and waiting:  # the launch before this one is read while this one runs
+      if unread[s] is not None:
+        read(s)
+      unread[s] = launched
+    else:
+      if unread[s] is not None:
+        read(s)
+      unread[s] = launched
+      read(s)
+    rule, keep, free, parked = None, list(rows[s]), [], []
+    for j in rows[s]:  # divided rollout: asked as rollout/divided.py asks, once per pass
+      if not cfg.divided.should_yield(j.seen - j.since):
         continue
       if queues[s] and policies[s].online:
         if len(queues[s]) <= cfg.slots - len(keep):  # the queue fills the free slots anyway
@@ -220,26 +293,26 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         if rule is None:
           rule = yield_rule(policies[s], [x.meta for x in queues[s]], finished, live_len,
                             cfg.divided.chunk)
-        j.since = j.progress  # offered again after another chunk
+        j.since = j.seen  # offered again after another chunk
         if not rule(j.meta):
           continue
-        real += 1  # a real preemption: the slot goes to another, the KV row is parked
-      keep.remove(j)  # (a static order's yield, or one with an empty queue, costs nothing)
-      yielded.append(j)
-    if real:
-      t[s] += real * cfg.divided.yield_ms + cfg.divided.pass_ms
-      yields, passes = yields + real, passes + 1
+        parked.append(j)  # a real preemption: the slot goes to another, the KV row is parked
+      else:  # a static order's yield, or one with an empty queue: free, requeued at once
+        free.append(j)
+      keep.remove(j)
+      j.yielded_at = shard_launches[s]
     rows[s] = keep
-    for j in yielded:  # requeued where it balances shards: the fewest live + queued, own first
-      j.yielded_at = shard_steps[s]
-      d = min(range(cfg.shards), key=lambda d: (len(rows[d]) + len(queues[d]), d != s, d))
-      if policies[d].online:
-        queues[d].append(j)
-      else:  # started requests outrank every request still waiting under a static order
-        queues[d].insert(sum(x.progress > 0 for x in queues[d]), j)
+    if parked:
+      t[s] += len(parked) * cfg.divided.yield_ms + cfg.divided.pass_ms
+      yields, passes = yields + len(parked), passes + 1
+    if unread[s] is not None:  # parked ones are still in the launch in flight: they rejoin
+      unread[s][1].extend(parked)  # once it is read
+      parked = []
+    for j in parked + free:
+      requeue(j, s)
   finish = np.array([finish_at[j.meta.request_id] for j in work], np.float64)
   makespan = float(finish.max()) if len(finish) else 0.0
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
                    tokens, prefill_tokens, migrations, np.array(t), peak_started, yields,
-                   passes)
+                   passes, launches)

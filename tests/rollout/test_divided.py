@@ -117,7 +117,14 @@ def test_history_residual_divides_with_a_real_predictor(tiny_model):
   assert 0 < eng.yield_seconds_waited < float("inf")
 
 
-class _Rebuilt(EngineOrder):
+class _FreeYields(EngineOrder):
+  """An order that keeps yield cost 0 whatever the engine measured: no margin (plain LRPT)."""
+
+  def set_yield_cost(self, steps: float) -> None:
+    del steps
+
+
+class _Rebuilt(_FreeYields):
   """history_residual without `stable_rule`: the engine builds its yield rule every pass."""
 
   stable_rule = False
@@ -126,8 +133,10 @@ class _Rebuilt(EngineOrder):
 def test_a_kept_yield_rule_decides_as_one_rebuilt_every_pass(tiny_model):
   """history_residual's yield rule is kept across passes until a request is queued, admitted
   or finishes (divided.YieldRules): the same yields, admissions and steps as building it every
-  pass, with fewer rules built. The live map it reads holds the started, unfinished requests
-  only, each at no more tokens than it ends with."""
+  pass, with fewer rules built. (At yield cost 0: with a cost, a kept rule's margin is the one
+  of when it was built, which the tokens generated since only shrink, so a kept rule may yield
+  a little less.) The live map it reads holds the started, unfinished requests only, each at no
+  more tokens than it ends with."""
   rng = np.random.default_rng(3)
   table = LengthTable()
   for g in range(4):
@@ -136,7 +145,7 @@ def test_a_kept_yield_rule_decides_as_one_rebuilt_every_pass(tiny_model):
   eng = engine(tiny_model, divide_every=3, park_rows=4)
   seen = []
 
-  class Watched(EngineOrder):
+  class Watched(_FreeYields):
     def next_to_admit(self, queue, finished, live):
       seen.append((dict(finished), dict(live)))
       return super().next_to_admit(queue, finished, live)

@@ -110,8 +110,22 @@ def test_a_costly_yield_needs_a_margin_of_more_remaining_work():
   margin = np.sqrt(2.0 * 2 * 36.25) - 8
   assert pol.yield_margin(8) == pytest.approx(margin)  # ~4.04 tokens
   assert pol.yield_margin(16) == 0.0  # never below 0
-  assert not pol.should_yield([fresh], running, {}, {1: 10}, chunk=8)  # 32.5 vs 30 + 4.04
-  assert pol.should_yield([fresh], running, {}, {1: 12}, chunk=8)  # 32.5 vs 28 + 4.04
+  # The margin is for the work left: 72.5 tokens at the opening, less the tokens generated.
+  assert pol.yield_margin(8, done=22.5) == pytest.approx(np.sqrt(2.0 * 50) - 8)  # 2 tokens
+  assert pol.yield_margin(8, done=100.0) == 0.0
+  assert pol.done_tokens({5: 7, 1: 3}, {0: 4, 9: 100}) == 7.0  # only its own requests count
+  # running has 10 of 72.5 done: 32.5 vs 30 + 3.18 left, no yield; 12 done: 28 + 3.00, yield
+  assert not pol.should_yield([fresh], running, {}, {1: 10}, chunk=8)
+  assert pol.should_yield([fresh], running, {}, {1: 12}, chunk=8)
+  # Late in the rollout (request 0 finished with 30 tokens, a sibling of it still queued):
+  # with 39 of 72.5 tokens done the margin is nearly gone, so the running request gives way
+  # to a queued one with 32.5 tokens left against its 31, which the margin of 9 tokens done
+  # (3.27) forbids.
+  sibling = RequestMeta(2, 0, "p0", 2, 1000)
+  assert pol.done_tokens({0: 30}, {1: 9}) == 39.0
+  assert pol.yield_margin(8, done=39.0) == pytest.approx(np.sqrt(2.0 * 33.5) - 8)  # 0.19
+  assert pol.should_yield([sibling], running, {0: 30}, {1: 9}, chunk=8)
+  assert not pol.should_yield([sibling], running, {}, {1: 9}, chunk=8)  # 32.5 vs 31 + 3.3
   assert pol.should_yield([fresh], running, {}, {1: 10}, chunk=16)  # a longer chunk: no margin
   pol.set_yield_cost(0.0)
   assert pol.should_yield([fresh], running, {}, {1: 10}, chunk=8)

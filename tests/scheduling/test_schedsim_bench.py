@@ -56,22 +56,25 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
                  "--blind_draws", "3", "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 14, 20)}
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 15, 21)}
   scenarios = schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, plans="data_order,lpt_history,lpt_oracle"), 32, 16)
   full = [sc for sc in scenarios if sc.shards == 1 and sc.shrink and sc.accepted == 1]
-  # Widths: cross-step 6; detail 14; the per-prompt bound (one row per table) 12; summary 20.
-  assert by_width == {6: 8, 12: 2, 14: len(full) * len(schedsim.POLICIES), 20: len(scenarios)}
+  # Widths: cross-step 6; detail 15; the per-prompt bound (one row per table) 12; summary 21.
+  assert by_width == {6: 8, 12: 2, 15: len(full) * len(schedsim.POLICIES), 21: len(scenarios)}
   # Divided rollout: only the online orders yield (a static order's "yield" resumes in place).
-  yields = {(r[3], r[4]): int(r[9]) for r in lines if len(r) == 14}
-  passes = {(r[3], r[4]): int(r[10]) for r in lines if len(r) == 14}
+  yields = {(r[3], r[4], r[5]): int(r[10]) for r in lines if len(r) == 15}
+  passes = {(r[3], r[4], r[5]): int(r[11]) for r in lines if len(r) == 15}
   assert all(0 < passes[k] <= n or passes[k] == n == 0 for k, n in yields.items())
   online = {"probe", "history_probe", "history_residual"}
-  assert all(n == 0 for (chunk, pol), n in yields.items() if chunk == "-" or pol not in online)
-  assert any(n > 0 for (chunk, pol), n in yields.items() if chunk != "-")
+  assert all(n == 0 for (chunk, _, pol), n in yields.items() if chunk == "-" or pol not in online)
+  assert any(n > 0 for (chunk, _, pol), n in yields.items() if chunk != "-")
+  # The engine-like scenarios (outputs read a launch late; 4 steps per launch on the h100 table)
+  assert {launch for _, launch, _ in yields} == {"1", "4 piped", "1 piped"}
+  assert any(n > 0 for (chunk, launch, _), n in yields.items() if launch == "4 piped")
   assert len(lines) == sum(by_width.values())
   # 32 requests: slots scale to 16 (h100) / 8 (cpu), chunk min(64, 64 / 4) = 16.
-  assert {(r[1], r[2]) for r in lines if len(r) == 20} >= {("h100", "1x16"), ("cpu", "1x8")}
+  assert {(r[1], r[2]) for r in lines if len(r) == 21} >= {("h100", "1x16"), ("cpu", "1x8")}
   assert "targets, small.jsonl" in out and "16 kv 2x" in out
 
 

@@ -36,6 +36,33 @@ def test_hand_computed_schedules():
   assert tail_time(np.array([1.0, 2, 3, 4, 5, 6, 7, 8, 9, 20])) == 11.0
 
 
+def test_pipelining_refills_a_slot_one_launch_late():
+  jobs = _jobs([3, 2])
+  fifo = lambda: make_policy("fifo")
+  at_once = simulate(jobs, fifo, FLAT, SimConfig(slots=1, buckets=(1,)))
+  assert list(at_once.finish_ms) == [3.0, 5.0]
+  # The engine reads step 3 (where 0 ended) after dispatching step 4, which runs the finished
+  # row for nothing; 1 is admitted into step 5 and, nothing left waiting, read at once.
+  piped = simulate(jobs, fifo, FLAT, SimConfig(slots=1, buckets=(1,), pipeline=True))
+  assert list(piped.finish_ms) == [3.0, 6.0] and piped.steps == piped.launches == 6
+  assert piped.utilisation == pytest.approx(5 / 6)
+
+
+def test_launches_of_several_steps_hold_rows_to_their_end_and_respect_caps():
+  fifo = lambda: make_policy("fifo")
+  cfg = SimConfig(slots=1, buckets=(1,), multi_step=4)
+  # 0 ends 2 steps into the second launch and holds its row to the launch's end (step 8);
+  # 1 runs a whole launch with nothing waiting (a cap of 4096 leaves room).
+  res = simulate(_jobs([6, 2]), fifo, FLAT, cfg)
+  assert list(res.finish_ms) == [8.0, 12.0] and (res.steps, res.launches) == (12, 3)
+  # With a request waiting, a row 1 token from its cap runs a one-step launch (loop's rule).
+  capped = [(RequestMeta(i, i, f"p{i}", i, 5), n) for i, n in enumerate([5, 1])]
+  res = simulate(capped, fifo, FLAT, cfg)
+  assert list(res.finish_ms) == [5.0, 9.0] and (res.steps, res.launches) == (9, 3)
+  with pytest.raises(ValueError, match="multi_step=0"):
+    SimConfig(multi_step=0)
+
+
 def test_bucket_shrinking_and_speculation_follow_the_table():
   table = StepTimeTable({(1, 0): 1.0, (2, 0): 2.0, (1, 4): 1.5, (2, 4): 5.0})
   jobs = _jobs([4, 1])
@@ -50,9 +77,10 @@ def test_bucket_shrinking_and_speculation_follow_the_table():
   assert spec.tokens == 5
 
 
+@pytest.mark.parametrize("launch", [(1, False), (4, True)])  # (multi_step, pipeline)
 @pytest.mark.parametrize("divided", [0, 7])
 @pytest.mark.parametrize("shards", [1, 3])
-def test_every_request_finishes_and_tokens_are_conserved(shards, divided):
+def test_every_request_finishes_and_tokens_are_conserved(shards, divided, launch):
   rng = np.random.default_rng(shards * 10 + divided)
   lengths = rng.integers(1, 120, size=96)
   jobs = _jobs(lengths, group_size=8, prompt_len=20)
@@ -63,13 +91,14 @@ def test_every_request_finishes_and_tokens_are_conserved(shards, divided):
   pred = LengthPredictor(history)
   plan = plan_shards([m for m, _ in jobs], pred, shards)
   cfg = SimConfig(slots=16, buckets=(16, 8, 4, 2, 1), shards=shards, prefill_ms_per_token=0.5,
-                  accepted=((8, 1.8),), divided=DividedRollout(divided))
+                  accepted=((8, 1.8),), divided=DividedRollout(divided),
+                  multi_step=launch[0], pipeline=launch[1])
   for name in POLICIES:
     res = simulate(jobs, lambda: make_policy(name, predictor=pred, step=1, seed=1,
                                              true_lengths=_truth(jobs)), table, cfg, plan)
     assert res.tokens == pytest.approx(lengths.sum())
     assert np.all(res.finish_ms > 0) and res.makespan_ms == res.finish_ms.max()
-    assert 0 < res.utilisation <= 1
+    assert 0 < res.utilisation <= 1 and res.launches <= res.steps
     assert res.prefill_tokens >= 20 * len(jobs)
     # No request finishes before its own tokens could have been generated.
     fastest = min(table.ms(1, 0), table.ms(1, 8) / 1.8)
