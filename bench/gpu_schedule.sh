@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# GPU figures of rollout scheduling and multi-step launches, in one go (~8 min on 1 x H100):
+# GPU figures of rollout scheduling and multi-step launches, in one go (~9 min on 1 x H100):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
 #
 # Most telling first, so that a lease cut short loses the least:
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
-#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, then at 1:
-#    wall-clock makespan and tail against the oracle's, host ms per decode step by part; then
-#    one more rollout per policy under cProfile ($OUT/profiles.tgz): which host calls
-#    (dispatches, copies, the order's work) take a GPU host's time, which the CPU's profile
-#    cannot show.
-# 2. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, on each prompt
+#    set of OFFSETS (default "16 0": prompts 16-31, where the tail-cut target was missed on
+#    2026-11-27, then 0-15), then at 1 step per launch on prompts 0-15 (~3 min each):
+#    wall-clock makespan and tail against the oracle's (the scheduling issue's targets), host
+#    ms per decode step by part.
+# With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
+# 2. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
+#    with that run's log):
+#    which host calls (dispatches, copies, the order's work) take a GPU host's time.
+# 3. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
 #    step, one plain step per compiled call against MULTI_STEP.
-# 3. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+# 4. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
 #    pass with a tiny model (device work negligible), on this machine's host; against the same
 #    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
-# 4. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
+# 5. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
 #    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
 #    host mid-call; a bare dispatch near the step's device time shows that sync.
 # Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
 # RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
 # at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
-# of these benches.
+# of these benches. A lease brings back at most 8 files from $OUT: this script leaves at most
+# 8 (RESULTS.md, three engine logs, and with HOST_BENCHES three bench logs and profiles.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the SmolLM2 GGUF (or an HF checkpoint directory)}"
@@ -35,16 +40,28 @@ export JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1 PYTHONPATH=".:${P
 export RHYME_JAX_GSM8K_DIR
 keep() { cp bench/RESULTS.md "$OUT/RESULTS.md"; }
 
-for k in "$K" 1; do
+engine() {  # engine OFFSET STEPS_PER_LAUNCH [more schedule_engine flags]
+  local off=$1 k=$2
+  shift 2
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
     --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 2 \
-    --compile_threads 8 --multi_step "$k" --profile "$OUT/profile_k$k" --note "$NOTE" 2>&1 |
-    tee "$OUT/engine_k$k.log"
+    --compile_threads 8 --multi_step "$k" --prompt_offset "$off" --note "$NOTE" "$@" 2>&1 |
+    tee "$OUT/engine_p${off}_k$k.log"
   keep
+}
+
+for off in ${OFFSETS:-16 0}; do
+  engine "$off" "$K"
 done
-# the profiles in one archive: a lease brings back at most 8 files from $OUT (this script
-# leaves 7 there: RESULTS.md, five logs, profiles.tgz)
-(cd "$OUT" && tar -czf profiles.tgz profile_k*/ && rm -r profile_k*/)
+engine 0 1
+if [ "${HOST_BENCHES:-0}" != 1 ]; then
+  exit 0
+fi
+python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
+  --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 1 --compile_threads 8 \
+  --multi_step "$K" --profile "$OUT/profile_k$K" --no_append > "$OUT/profile_k$K.log" 2>&1
+(cd "$OUT" && tar -czf profiles.tgz "profile_k$K"/ "profile_k$K.log" &&
+  rm -r "profile_k$K"/ "profile_k$K.log")
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
   --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
 keep
