@@ -186,19 +186,16 @@ class ResidualPolicy:
   """Longest expected remaining work first, re-ranked as requests run (for divided rollout).
 
   LRPT (longest remaining processing time first) minimises the makespan of preemptible jobs
-  on identical machines when remaining times are known; here they are expected values: a queued
-  request of prompt k that already generated n tokens (it yielded its slot, Seer's divided
-  rollout) still needs E[L - n | L > n] over k's history lengths, shrunk toward every prompt's
-  (`LengthPredictor.remaining_tokens`). A request that has run long is thereby predicted long
-  (its short siblings' lengths drop out of the conditional), a request at the cap of a prompt
-  whose history ends short is predicted short, and before anything runs (n = 0) this is the
-  prompt's mean history length, i.e. the "history" order. Without divided rollout no queued
-  request has started, so it orders as "history" does (up to the rank mapping across epochs).
+  on identical machines when remaining times are known; here they are expected values: a
+  request of prompt k with n tokens so far (it yielded its slot, Seer's divided rollout) still
+  needs E[L - n | L > n] over k's history lengths, shrunk toward every prompt's
+  (`LengthPredictor.remaining_tokens`): a request that has run long is predicted long (its
+  short siblings drop out of the conditional). At n = 0 this is the prompt's mean history
+  length, so without divided rollout it orders as "history" does.
 
-  Ranking every unstarted request against the yielded ones starts nearly all of them early
-  (each is a fresh E[L] against a shrinking residual), so their KV must be kept for up to R
-  sequences where the engine has `slots` rows. `kv_budget` caps the started-and-unfinished
-  requests (the KV pool's sequence capacity): at the cap only started requests resume.
+  Ranking unstarted requests (a fresh E[L] each) against yielded ones starts nearly all of
+  them early, so their KV is kept for more sequences than rows. `kv_budget` caps the started
+  and unfinished requests (the KV pool's capacity): at the cap only started requests resume.
 
   A yield is not free: two KV row copies and their dispatch, `yield_cost` decode steps of the
   batch (measured at the engine's warm-up: `set_yield_cost`). Pure LRPT swaps requests of
@@ -219,9 +216,8 @@ class ResidualPolicy:
 
   online = True
   name = "history_residual"
-  # Its yield rule reads the queue, len(live) and queued requests' counts, none of which move
-  # while only running requests advance, and the tokens generated so far (its margin), which
-  # only shrink the margin: the engine may keep the rule across passes.
+  # Its rule reads nothing that moves while only running requests advance but the tokens so
+  # far, which only shrink its margin: the engine may keep it across passes.
   stable_rule = True
 
   def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None,
@@ -251,9 +247,7 @@ class ResidualPolicy:
 
   def done_tokens(self, finished: Mapping[int, int], live: Mapping[int, int]) -> float:
     """Tokens the last `order`'s requests generated: finished lengths and counts so far."""
-    ids = self._ids
-    return float(sum(n for rid, n in finished.items() if rid in ids)
-                 + sum(n for rid, n in live.items() if rid in ids))
+    return float(sum(n for d in (finished, live) for rid, n in d.items() if rid in self._ids))
 
   def remaining(self, meta: RequestMeta, generated: int) -> float:
     k = (meta.prompt_key, generated, meta.max_new_tokens)
@@ -274,15 +268,12 @@ class ResidualPolicy:
   def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
     """Whether a running request (tokens so far in `live`) should give its slot to the
     request `next_to_admit` picks from `queue`: when that one has more expected remaining work
-    by over `yield_margin` (LRPT with a `chunk`-long quantum and a margin for the yield's cost
-    over the work left; at yield_cost 0, strictly more). The pick, its work and the margin are
-    found once, for all the running requests asked while `queue` and `live` stay as they are
-    (kept across passes, the margin is the one of when the rule was made: a little larger
-    than today's, never smaller)."""
+    by over `yield_margin` (LRPT with a `chunk`-long quantum; at yield_cost 0, strictly more).
+    The pick, its work and the margin are found once, for all the running requests asked while
+    `queue` and `live` stay as they are (a kept rule's margin is a little larger than today's)."""
     best = queue[self.next_to_admit(queue, finished, live)]
     best_left = self.remaining(best, live.get(best.request_id, 0))
-    margin = (self.yield_margin(chunk, self.done_tokens(finished, live)) if self.yield_cost
-              else 0.0)
+    margin = self.yield_margin(chunk, self.done_tokens(finished, live))
     return lambda running: (best_left > self.remaining(running, live.get(running.request_id, 0))
                             + margin)
 

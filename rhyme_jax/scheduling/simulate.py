@@ -168,7 +168,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
   # Pipelining: per shard, the last launch's rows with their progress, not read yet, the
   # requests that yielded while it ran (they rejoin a queue once it is read), and its steps.
-  unread: list[tuple[list, list[_Job], int] | None] = [None] * cfg.shards  # (+ its steps)
+  unread: list[tuple[list, list[_Job], int] | None] = [None] * cfg.shards
   steps = spec_steps = prefill_tokens = migrations = peak_started = yields = passes = 0
   launches = 0
   shard_launches = [0] * cfg.shards
