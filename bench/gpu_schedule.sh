@@ -40,13 +40,13 @@ export JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1 PYTHONPATH=".:${P
 export RHYME_JAX_GSM8K_DIR
 keep() { cp bench/RESULTS.md "$OUT/RESULTS.md"; }
 
-engine() {  # engine OFFSET STEPS_PER_LAUNCH [more schedule_engine flags]
-  local off=$1 k=$2
-  shift 2
+schedule_engine() {  # step 1's command; further schedule_engine flags as arguments
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
-    --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 2 \
-    --compile_threads 8 --multi_step "$k" --prompt_offset "$off" --note "$NOTE" "$@" 2>&1 |
-    tee "$OUT/engine_p${off}_k$k.log"
+    --max_new_tokens 256 --policies fifo,residual+divided,oracle --compile_threads 8 "$@"
+}
+engine() {  # engine OFFSET STEPS_PER_LAUNCH: one recorded run of step 1
+  schedule_engine --repeats 2 --prompt_offset "$1" --multi_step "$2" --note "$NOTE" 2>&1 |
+    tee "$OUT/engine_p$1_k$2.log"
   keep
 }
 
@@ -57,9 +57,8 @@ engine 0 1
 if [ "${HOST_BENCHES:-0}" != 1 ]; then
   exit 0
 fi
-python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
-  --max_new_tokens 256 --policies fifo,residual+divided,oracle --repeats 1 --compile_threads 8 \
-  --multi_step "$K" --profile "$OUT/profile_k$K" --no_append > "$OUT/profile_k$K.log" 2>&1
+schedule_engine --repeats 1 --multi_step "$K" --profile "$OUT/profile_k$K" --no_append \
+  > "$OUT/profile_k$K.log" 2>&1
 (cd "$OUT" && tar -czf profiles.tgz "profile_k$K"/ "profile_k$K.log" &&
   rm -r "profile_k$K"/ "profile_k$K.log")
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \

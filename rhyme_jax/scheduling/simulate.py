@@ -170,7 +170,6 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   # requests that yielded while it ran (they rejoin a queue once it is read), and its steps.
   unread: list[tuple[list, list[_Job], int] | None] = [None] * cfg.shards
   steps = spec_steps = prefill_tokens = migrations = peak_started = yields = passes = 0
-  launches = 0
   shard_launches = [0] * cfg.shards
   started = 0
   tokens = busy = now = 0.0
@@ -209,10 +208,9 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
         finished[rid] = j.length
         live_len.pop(rid, None)
         started -= 1
-        for where in (rows, queues):  # a free yield may have moved it since (divided rollout)
-          for i, lst in enumerate(where):
-            if any(x is j for x in lst):
-              where[i] = [x for x in lst if x is not j]
+        for lst in (*rows, *queues):  # a free yield may have moved it since (divided rollout)
+          if j in lst:
+            lst.remove(j)
       else:
         live_len[rid] = int(progress)
     for j in landed:
@@ -260,7 +258,6 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     dt = table.ms(bucket, budget)
     t[s] += k * dt
     steps += k
-    launches += 1
     shard_launches[s] += 1
     peak_started = max(peak_started, started)
     spec_steps += budget > 0
@@ -273,15 +270,10 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       tokens += step_tokens
       if j.progress >= j.length:
         finish_at[j.meta.request_id] = t[s]
-    launched = ([(j, j.progress) for j in rows[s]], [], k)
-    if cfg.pipeline and waiting:  # the launch before this one is read while this one runs
-      if unread[s] is not None:
-        read(s)
-      unread[s] = launched
-    else:
-      if unread[s] is not None:
-        read(s)
-      unread[s] = launched
+    if unread[s] is not None:  # the launch before this one, read while this one runs
+      read(s)
+    unread[s] = ([(j, j.progress) for j in rows[s]], [], k)
+    if not (cfg.pipeline and waiting):  # unpipelined, or nothing waits: read at once
       read(s)
     rule, keep, free, parked = None, list(rows[s]), [], []
     for j in rows[s]:  # divided rollout: asked as rollout/divided.py asks, once per pass
@@ -315,4 +307,4 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
                    tokens, prefill_tokens, migrations, np.array(t), peak_started, yields,
-                   passes, launches)
+                   passes, sum(shard_launches))
