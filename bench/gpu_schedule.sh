@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU figures of rollout scheduling and multi-step launches, in one go (~9 min on 1 x H100):
+# GPU figures of rollout scheduling and multi-step launches, in one go (~12 min on 1 x H100):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
@@ -11,23 +11,27 @@
 #    2026-11-27, then 0-15), then at 1 step per launch on prompts 0-15 (~3 min each):
 #    wall-clock makespan and tail against the oracle's (the scheduling issue's targets), host
 #    ms per decode step by part.
+# 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
+#    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
+#    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
-# 2. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
+# 3. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
 #    which host calls (dispatches, copies, the order's work) take a GPU host's time.
-# 3. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+# 4. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
 #    step, one plain step per compiled call against MULTI_STEP.
-# 4. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+# 5. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
 #    pass with a tiny model (device work negligible), on this machine's host; against the same
 #    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
-# 5. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
+# 6. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
 #    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
 #    host mid-call; a bare dispatch near the step's device time shows that sync.
 # Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
 # RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
 # at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
 # of these benches. A lease brings back at most 8 files from $OUT: this script leaves at most
-# 8 (RESULTS.md, three engine logs, and with HOST_BENCHES three bench logs and profiles.tgz).
+# 7 (RESULTS.md, three engine logs, bucket_moves.log, and with HOST_BENCHES host_benches.log
+# and profiles.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the SmolLM2 GGUF (or an HF checkpoint directory)}"
@@ -54,6 +58,10 @@ for off in ${OFFSETS:-16 0}; do
   engine "$off" "$K"
 done
 engine 0 1
+python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
+  --max_new_tokens 256 --multi_step "$K" --compile_threads 8 --note "$NOTE" 2>&1 |
+  tee "$OUT/bucket_moves.log"
+keep
 if [ "${HOST_BENCHES:-0}" != 1 ]; then
   exit 0
 fi
@@ -62,11 +70,11 @@ schedule_engine --repeats 1 --multi_step "$K" --profile "$OUT/profile_k$K" --no_
 (cd "$OUT" && tar -czf profiles.tgz "profile_k$K"/ "profile_k$K.log" &&
   rm -r "profile_k$K"/ "profile_k$K.log")
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 128 --multi_step "$K" \
-  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead.log"
+  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee -a "$OUT/host_benches.log"
 keep
 python bench/divided_host.py --multi_step "1,$K" --rounds 3 --note "$NOTE" 2>&1 |
-  tee "$OUT/divided_host.log"
+  tee -a "$OUT/host_benches.log"
 keep
 python bench/engine_overhead.py --buckets 32 --budgets 0 --new_tokens 64 --top_p 0.95 \
-  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee "$OUT/overhead_top_p.log"
+  --dtype float32 --reps 50 --note "$NOTE" 2>&1 | tee -a "$OUT/host_benches.log"
 keep

@@ -168,6 +168,25 @@ class CostModel:
     s = min(same, key=lambda s: abs(s[1] - shape[1]) + abs(s[3] - shape[3]))
     return self._time(s) * max(shape[1] / s[1], 1.0)
 
+  def bucket_to_run(self, bucket: int, smaller: Sequence[int], s: int, move_s: dict,
+                    bubble_s: float, steps_left: float) -> int:
+    """Which bucket the live rows should run in: `bucket`, or one of `smaller` (the buckets
+    below it that hold them), whichever saves the most time over `steps_left` plain steps at
+    cache length `s`, net of the moves. Moving goes one level at a time, each costing
+    `move_s[b]` (the regroup out of bucket b; 0 when unmeasured), and drains the pipeline once
+    (`bubble_s`: the device idles while the host reads the step in flight and plans the next).
+    On a device whose step time hardly depends on the rows (a GPU below a few dozen rows) no
+    move pays; where it scales with them (a CPU) the first steps repay it."""
+    here = self.time((bucket, bucket, 1, s))
+    best, best_net, cost, level = bucket, 0.0, bubble_s, bucket
+    for b in sorted(smaller, reverse=True):
+      cost += move_s.get(level, 0.0)
+      level = b
+      net = steps_left * (here - self.time((b, b, 1, s))) - cost
+      if net > best_net:
+        best, best_net = b, net
+    return best
+
   # ---- acceptance --------------------------------------------------------------------------
 
   def alpha(self, request_id: Hashable) -> float:

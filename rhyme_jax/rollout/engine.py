@@ -2,8 +2,9 @@
 
 Requests wait in a queue; B slots (B from a fixed set of buckets) each hold one live request
 and its KV cache. A finished slot is refilled at once; when the queue is empty and the live
-requests fit a smaller bucket they are moved into it, so the tail of a rollout stops paying
-for empty slots. Each step packs the live rows' roots and draft nodes on one token axis of a
+requests fit a smaller bucket they are moved into it where the cost model says the saving
+pays for the move, so the tail of a rollout stops paying for empty slots on a device whose
+steps cost by the row. Each step packs the live rows' roots and draft nodes on one token axis of a
 compiled size (accept.pack; a plain step is the roots alone). The engine alone sizes drafts:
 the cost model (cost_model.CostModel) picks, per step, the shape and the nodes per row with the
 most expected tokens per second, and plain steps are dispatched before the previous step is
@@ -70,6 +71,8 @@ class RolloutEngine:
     # What yields' row copies cost on this device (warm-up, ParkPool.warmup): passes of one
     # and of several yields, queued as a rollout dispatches them.
     self.yield_cost: YieldCost | None = None
+    # Seconds to move a state out of each bucket into the next smaller (warm-up)
+    self.move_seconds: dict[int, float] = {}
 
   @property
   def yield_seconds(self) -> float | None:

@@ -93,6 +93,7 @@ class RequestResult:
 
 DRAFT_MODES = ("sync", "ahead", "ahead_only")
 SPECULATE = ("auto", "always", "never")
+BUCKET_MOVES = ("cost", "always")
 # Cache lengths are rounded up to a power-of-two multiple in [16, 512], the Pallas kernels' KV
 # block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
 # positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
@@ -130,6 +131,9 @@ class EngineConfig:
   # "never": plain steps only.
   speculate: str = "auto"
   pipeline: bool = True  # dispatch a plain step before reading the previous one
+  # With nothing queued, live rows that fit a smaller bucket move into it: "cost" where the
+  # cost model says the move pays for itself (`CostModel.bucket_to_run`), "always" at once.
+  bucket_moves: str = "cost"
   # Plain decode steps per launch: a stretch without drafts runs this many steps in one
   # compiled call (a scan of the plain step), so the host dispatches and reads once per
   # `multi_step` tokens per row. A row that ends at EOS inside a launch computes its remaining
@@ -172,6 +176,8 @@ class EngineConfig:
       raise ValueError(f"kv_buckets={self.kv_buckets}: must be >= 1")
     if self.speculate not in SPECULATE:
       raise ValueError(f"speculate={self.speculate!r}: expected one of {SPECULATE}")
+    if self.bucket_moves not in BUCKET_MOVES:
+      raise ValueError(f"bucket_moves={self.bucket_moves!r}: expected one of {BUCKET_MOVES}")
     if self.max_len < 2:
       raise ValueError(f"max_len={self.max_len}: must be >= 2")
     if self.prefill_chunk <= 0:
@@ -244,6 +250,8 @@ class EngineStats:
   positions: int = 0  # packed positions computed (sum of P over steps)
   live_positions: int = 0  # live rows + drafted nodes (sum over steps)
   host_waits: int = 0  # reads of step outputs with no later step queued (the device idles)
+  bucket_moves: int = 0  # moves of the live rows into a smaller bucket (one level each)
+  moves_held: int = 0  # passes whose rows fit a smaller bucket the cost model kept them out of
   draft_time_s: float = 0.0  # host drafting on the critical path (device idle meanwhile)
   device_time_s: float = 0.0  # blocking waits for step outputs
   # The host's time outside those waits, by part (the rest is planning and packing): the
@@ -304,6 +312,7 @@ class EngineStats:
                 slot_utilisation=self.slot_utilisation, drafted=self.drafted,
                 accepted=self.accepted, positions=self.positions,
                 live_positions=self.live_positions, host_waits=self.host_waits,
+                bucket_moves=self.bucket_moves, moves_held=self.moves_held,
                 draft_time_s=self.draft_time_s, device_time_s=self.device_time_s,
                 dispatch_time_s=self.dispatch_time_s, read_time_s=self.read_time_s,
                 yield_time_s=self.yield_time_s, cpu_time_s=self.cpu_time_s,

@@ -7,7 +7,8 @@ Each pass of `run`:
   1. divided rollout: running requests that have generated `divide_every` tokens since they
      were (re)admitted may give their slot to a queued one (`_yield_pass`);
   2. free slots take queued requests in the admission order's choice (`_fill_slots`);
-  3. with no step in flight and no queue, the live rows move into a smaller bucket;
+  3. with no queue, live rows that fit a smaller bucket move into it where the cost model
+     says the move pays (tail.py), once the step in flight is read;
   4. the engine decides whether to draft (`RolloutEngine._plan`); drafts need the previous
      step's tokens and a bucket move a quiet state, so those read the step in flight first;
   5. the next step is drafted, packed and dispatched (`_dispatch`), and only then is the step
@@ -35,6 +36,7 @@ from rhyme_jax.rollout.divided import YieldRules, park, slots_to_yield
 from rhyme_jax.rollout.interface import AdmissionOrder, EngineStats, Request, RequestResult
 from rhyme_jax.rollout.live import LiveRequest, validate
 from rhyme_jax.rollout.sampling import needs_filtering
+from rhyme_jax.rollout.tail import FinishedLengths, bucket_target
 
 
 @dataclasses.dataclass
@@ -96,6 +98,7 @@ class Rollout:
                          "valid requests")
       self.queue = opening
     self.finished_len: dict[int, int] = {}  # request id -> response length, for online orders
+    self.lengths = FinishedLengths(self.finished_len)  # and for bucket moves
     # request id -> tokens so far of each started, unfinished request (running or parked),
     # kept in place as steps are read, for online orders
     self.live_len: dict[int, int] = {}
@@ -133,6 +136,7 @@ class Rollout:
     # host time since the last step's dispatch, less blocking reads: (start, reads so far)
     self.host_from = (time.perf_counter(), 0.0)
     self.untimed = False  # a prefill or bucket move was dispatched since the previous step
+    self.pass_s: float | None = None  # EMA of host_s: what a drained pipeline idles the device
 
   # ---- the loop --------------------------------------------------------------------------------
 
@@ -144,12 +148,13 @@ class Rollout:
         self._yield_pass()
       self._fill_slots()
       live_idx = [i for i in range(self.bucket) if self.slots[i] is not None]
-      if self.pending is None:
-        live_idx = self._shrink_quiet(live_idx)
+      target = bucket_target(self, live_idx)
+      if self.pending is None and target < self.bucket:
+        live_idx = self._move(live_idx, target)
       speculate, ask_gain = (engine._plan(self.bucket, self.slots, live_idx) if live_idx
                              else (False, None))
-      shrinks = not self.queue and engine.bucket_for(len(live_idx)) < self.bucket
-      if self.pending is not None and (speculate or shrinks or not cfg.pipeline or not live_idx):
+      moves = target < self.bucket
+      if self.pending is not None and (speculate or moves or not cfg.pipeline or not live_idx):
         # Drafts need the step's emitted tokens, a bucket move a quiet state: read it now.
         self._process(self.pending, blocking=True)
         self.pending = None
@@ -217,16 +222,17 @@ class Rollout:
     self.events[2] += len(resumed)
     self.untimed = self.untimed or bool(admits)
 
-  def _shrink_quiet(self, live_idx: list[int]) -> list[int]:
-    """With nothing queued or in flight, moves the live rows into the smallest bucket that
-    holds them (one level per move); returns their new slots."""
+  def _move(self, live_idx: list[int], target: int) -> list[int]:
+    """With nothing in flight, moves the live rows down to bucket `target` (one level per
+    move: `RolloutEngine._shrink`); returns their new slots."""
     engine = self.engine
-    while not self.queue and live_idx and engine.bucket_for(len(live_idx)) < self.bucket:
+    while self.bucket > target:
       rows = live_idx + [i for i in range(len(self.slots)) if self.slots[i] is None]
       self.state, self.bucket = engine._shrink(self.state, self.bucket, rows)
       self.slots = [self.slots[i] for i in rows[:self.bucket]]
       live_idx = list(range(len(live_idx)))
       self.untimed = True
+      self.stats.bucket_moves += 1
     return live_idx
 
   def _dispatch(self, live_idx: list[int], speculate: bool, ask_gain: float | None) -> _Step:
@@ -258,6 +264,7 @@ class Rollout:
     stats.dispatch_time_s += now - tv
     host_s = now - self.host_from[0] - (stats.device_time_s - self.host_from[1])
     self.host_from = (now, stats.device_time_s)
+    self.pass_s = host_s if self.pass_s is None else 0.75 * self.pass_s + 0.25 * host_s
     shape = (bucket, p, t, s)
     st = _Step(out, rows, shape, k, asked=speculate, ask_gain=ask_gain,
                timed=(t > 1 or not speculate) and not self.untimed,

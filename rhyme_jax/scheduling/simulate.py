@@ -2,7 +2,9 @@
 
 Each of D shards (data-parallel replicas / hosts) runs the engine's loop: `slots` rows, refilled
 from its queue as requests finish; once its queue is empty the live requests move into the
-smallest bucket that holds them (with `shrink`); every step costs the measured time of its
+smallest bucket that holds them (with `shrink`: the engine's `bucket_moves="always"`; its
+default moves only where the cost model says a move pays, rollout/tail.py, and a move costs
+nothing here); every step costs the measured time of its
 (bucket, budget) shape (`StepTimeTable`) and advances each live request by one token, or by the
 mean accepted length where speculating is cheaper per token (`best_budget`). Admissions cost a
 prefill of the prompt at `prefill_ms_per_token`. Lengths are the requests' true (recorded)

@@ -128,7 +128,11 @@ def test_multi_step_compiles_at_warmup_only(tiny_model):
   before = dict(TRACE_COUNTS)
   got = eng.generate(reqs())
   assert dict(TRACE_COUNTS) == before, "a rollout compiled"
-  assert eng.stats.launches < eng.stats.steps
+  # Plain stretches ran as multi-step launches, unless the cost model asked for drafts at every
+  # launch (a launch that asks runs one step): on this tiny model a speculative step costs about
+  # what a plain one does, so under a loaded CPU's timings it may ask throughout.
+  st = eng.stats
+  assert any(t[-1] > 1 for t in st.timeline) or st.asked_steps == st.launches == st.steps
   want = _multi(tiny_model, 1).generate(reqs())
   assert [r.tokens.tolist() for r in want] == [r.tokens.tolist() for r in got]
 

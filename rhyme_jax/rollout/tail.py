@@ -1,0 +1,62 @@
+"""A rollout's tail: when the live rows move into a smaller bucket.
+
+Once nothing is queued, finishes leave empty slots that every step still computes. Moving the
+live rows into a smaller bucket stops that, at a price: the regroup copies the KV cache (timed
+at warm-up, `RolloutEngine.move_seconds`) and must wait for the step in flight, so the pipeline
+drains and the device idles for one host pass. Whether that pays depends on the device: a CPU's
+step time scales with the rows, so the first steps repay a move; an H100's hardly changes
+below a few dozen rows (bench/forward.py: 2.14 / 1.49 / 2.02 ms at 1 / 8 / 32 rows), so a move
+there mostly costs. So the engine asks its cost model (`CostModel.bucket_to_run`), over the
+steps the rows are expected to still run, estimated from the lengths this rollout's finished
+requests reached (`FinishedLengths`). `EngineConfig.bucket_moves = "always"` moves at once.
+A move changes where rows run, never what they sample.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class FinishedLengths:
+  """Response lengths of a rollout's finished requests, and what they say about a live one."""
+
+  def __init__(self, finished: dict):
+    self.finished = finished  # request id -> response length (the rollout's map, read live)
+    self._sorted: np.ndarray = np.zeros(0, np.int64)
+    self._above: np.ndarray = np.zeros(1, np.int64)  # _above[k]: sum of _sorted[k:]
+
+  def expected_left(self, n: int, cap: int) -> float:
+    """Tokens a request with `n` so far and token cap `cap` is expected to still generate: the
+    mean of L - n over the finished lengths L > n and its cap (counted as one such length: a
+    request longer than every finished one may run to its cap)."""
+    if len(self._sorted) != len(self.finished):
+      self._sorted = np.sort(np.fromiter(self.finished.values(), np.int64))
+      self._above = np.concatenate([np.cumsum(self._sorted[::-1])[::-1], [0]])
+    k = int(np.searchsorted(self._sorted, n, side="right"))
+    count = len(self._sorted) - k
+    return float(self._above[k] - n * count + cap - n) / (count + 1)
+
+
+def bucket_target(rollout, live_idx: list[int]) -> int:
+  """The bucket the live rows (`live_idx`) of `rollout` (a loop.Rollout) should run in: its
+  bucket while requests wait or no smaller one holds them; else the smallest that does
+  ("always", or before a warm-up timed the moves), or the cost model's choice over the most
+  steps any row is expected to run, each move's warm-up time and one drained host pass
+  (`Rollout.pass_s`). Counts the passes the cost model held the rows out of a smaller bucket
+  (`EngineStats.moves_held`)."""
+  engine, bucket, pending = rollout.engine, rollout.bucket, rollout.pending
+  fit = engine.bucket_for(len(live_idx))
+  if rollout.queue or not live_idx or fit >= bucket:
+    return bucket
+  if engine.config.bucket_moves == "always" or not engine.move_seconds:
+    return fit  # (nothing to weigh before a warm-up)
+  rows = [rollout.slots[i] for i in live_idx]
+  in_flight = 0 if pending is None else pending.shape[2] * pending.steps  # tokens per row
+  longest = max(len(lv.req.prompt) + len(lv.tokens) for lv in rows) + in_flight
+  steps_left = max(rollout.lengths.expected_left(len(lv.tokens), lv.req.params.max_new_tokens)
+                   for lv in rows)
+  smaller = [b for b in engine.config.buckets if fit <= b < bucket]
+  target = engine.costs.bucket_to_run(bucket, smaller, engine._kv_len_for(longest + 1),
+                                      engine.move_seconds, rollout.pass_s or 0.0, steps_left)
+  rollout.stats.moves_held += target == bucket
+  return target
