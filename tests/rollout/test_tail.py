@@ -108,3 +108,15 @@ def test_the_loop_moves_as_the_cost_model_decides_and_samples_the_same(tiny_mode
   for bucket, smaller, s, move_s, bubble_s, steps_left in asked:
     assert smaller and max(smaller) < bucket and s in eng.kv_lengths
     assert sorted(move_s) == [2, 4] and bubble_s >= 0 and steps_left >= 1
+
+
+def test_moves_that_cannot_pay_are_not_made(tiny_model):
+  """The engine's own rule, no stand-in: with each move timed at 10 s, nothing a tiny model's
+  steps could save in this rollout repays one, so the tail stays in the first bucket; tokens
+  as with "always"."""
+  held, always = _warm_engine(tiny_model, "cost"), _warm_engine(tiny_model, "always")
+  held.move_seconds = {b: 10.0 for b in held.move_seconds}
+  got, want = held.generate(_requests()), always.generate(_requests())
+  assert [r.tokens.tolist() for r in got] == [r.tokens.tolist() for r in want]
+  assert held.stats.bucket_moves == 0 and held.stats.moves_held > 0
+  assert always.stats.bucket_moves >= 1
