@@ -18,7 +18,9 @@ step, on the critical path and in the background), rollout/ahead_hit_rate,
 rollout/spec_step_frac and rollout/draft_accept_rate (share of decode steps that verified drafts,
 and of drafted nodes accepted), and
 time/rollout_makespan, time/rollout_tail (the rollout's start to its last response, and the
-time its last 10% of responses took: what --schedule acts on).
+time its last 10% of responses took: what --schedule acts on), rollout/yields and
+rollout/yield_passes (divided rollout), rollout/bucket_moves and rollout/moves_held (the tail's
+moves into smaller buckets, and passes the cost model kept the rows where they were).
 
 `Progress` prints `step 12/100 | reward/mean 0.412 | 3.21 s/step | ETA 4m42s`,
 redrawn in place on a terminal and one line per step otherwise (log files).
