@@ -13,7 +13,9 @@
 #    ms per decode step by part.
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
-#    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
+#    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min). A lease's call
+#    runs at most 10 minutes: SKIP_ENGINE=1 runs this step (and the host benches) without
+#    step 1, in a call of its own.
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
 # 3. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
@@ -54,10 +56,12 @@ engine() {  # engine OFFSET STEPS_PER_LAUNCH: one recorded run of step 1
   keep
 }
 
-for off in ${OFFSETS:-16 0}; do
-  engine "$off" "$K"
-done
-engine 0 1
+if [ "${SKIP_ENGINE:-0}" != 1 ]; then
+  for off in ${OFFSETS:-16 0}; do
+    engine "$off" "$K"
+  done
+  engine 0 1
+fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
   --max_new_tokens 256 --multi_step "$K" --compile_threads 8 --note "$NOTE" 2>&1 |
   tee "$OUT/bucket_moves.log"
