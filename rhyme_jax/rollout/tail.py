@@ -41,9 +41,9 @@ def bucket_target(rollout, live_idx: list[int]) -> int:
   """The bucket the live rows (`live_idx`) of `rollout` (a loop.Rollout) should run in: its
   bucket while requests wait or no smaller one holds them; else the smallest that does
   ("always", or before a warm-up timed the moves), or the cost model's choice over the most
-  steps any row is expected to run, each move's warm-up time and one drained host pass
-  (`Rollout.pass_s`). Counts the passes the cost model held the rows out of a smaller bucket
-  (`EngineStats.moves_held`)."""
+  steps any row is expected to run (its expected tokens over the tokens per row-step so far),
+  each move's warm-up time and one drained host pass (`Rollout.pass_s`). Counts the passes the
+  cost model held the rows out of a smaller bucket (`EngineStats.moves_held`)."""
   engine, bucket, pending = rollout.engine, rollout.bucket, rollout.pending
   fit = engine.bucket_for(len(live_idx))
   if rollout.queue or not live_idx or fit >= bucket:
@@ -53,8 +53,11 @@ def bucket_target(rollout, live_idx: list[int]) -> int:
   rows = [rollout.slots[i] for i in live_idx]
   in_flight = 0 if pending is None else pending.shape[2] * pending.steps  # tokens per row
   longest = max(len(lv.req.prompt) + len(lv.tokens) for lv in rows) + in_flight
+  # tokens a row gets per step so far (above 1 where speculation accepted drafts)
+  st = rollout.stats
+  per_step = max(st.tokens / max(st.useful_slot_steps, 1), 1.0)
   steps_left = max(rollout.lengths.expected_left(len(lv.tokens), lv.req.params.max_new_tokens)
-                   for lv in rows)
+                   for lv in rows) / per_step
   smaller = [b for b in engine.config.buckets if fit <= b < bucket]
   target = engine.costs.bucket_to_run(bucket, smaller, engine._kv_len_for(longest + 1),
                                       engine.move_seconds, rollout.pass_s or 0.0, steps_left)

@@ -2,6 +2,7 @@
 move or its absence never changes what is sampled."""
 
 import collections
+import types
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
-from rhyme_jax.rollout.tail import FinishedLengths
+from rhyme_jax.rollout.tail import FinishedLengths, bucket_target
 
 S = 64
 
@@ -120,3 +121,26 @@ def test_moves_that_cannot_pay_are_not_made(tiny_model):
   assert [r.tokens.tolist() for r in got] == [r.tokens.tolist() for r in want]
   assert held.stats.bucket_moves == 0 and held.stats.moves_held > 0
   assert always.stats.bucket_moves >= 1
+
+
+def test_speculation_shortens_the_steps_a_move_is_weighed_over():
+  """Rows that got 3 tokens per step so far are expected to need a third of the steps: the
+  cost model is asked over 20 / 3 steps for a row expecting 20 more tokens (no finished
+  requests: to its cap), at the cache length that holds the longest row and the step in flight."""
+  asked = []
+  costs = types.SimpleNamespace(bucket_to_run=lambda *a: asked.append(a) or a[1][-1])
+  engine = RolloutEngine.__new__(RolloutEngine)  # only its bucket and cache-length helpers
+  engine.config = EngineConfig(max_len=64, buckets=(4, 2, 1), kv_buckets=2)
+  engine.kv_lengths, engine.costs, engine.move_seconds = engine.config.kv_lengths(), costs, {4: 0.1}
+  row = types.SimpleNamespace(req=Request(0, [1] * 10, SamplingParams(max_new_tokens=25)),
+                              tokens=[5] * 5)
+  stats = types.SimpleNamespace(tokens=30, useful_slot_steps=10, moves_held=0)
+  pending = types.SimpleNamespace(shape=(4, 4, 1, 32), steps=4)
+  rollout = types.SimpleNamespace(engine=engine, bucket=4, pending=pending, queue=[],
+                                  slots=[None, row, None, None], stats=stats, pass_s=0.01,
+                                  lengths=FinishedLengths({}))
+  assert bucket_target(rollout, [1]) == 1 and stats.moves_held == 0
+  (bucket, smaller, s, move_s, bubble_s, steps_left), = asked
+  assert (bucket, smaller, move_s, bubble_s) == (4, [2, 1], {4: 0.1}, 0.01)
+  assert steps_left == pytest.approx(20 / 3)
+  assert s == engine._kv_len_for(10 + 5 + 4 + 1)
