@@ -45,8 +45,9 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked
 # what the engine chose from measured times. With `--speculate=auto` the cost model decides
 # from step times whether and how far to draft (so forwards, acceptance and the share of
 # speculative or asking steps move), divided rollout weighs a yield by its timed copies
-# (so yields move), and the tail's bucket moves weigh timed moves against timed steps. What is sampled does not move (rollout/tokens_crc32), nor rewards, lengths,
-# data or updates: a resumed run is compared with an uninterrupted one on everything else.
+# (so yields move), and the tail's bucket moves weigh timed moves against timed steps. What is
+# sampled does not move (rollout/tokens_crc32), nor rewards, lengths, data or updates: a
+# resumed run is compared with an uninterrupted one on everything else.
 TIMING_DEPENDENT_METRICS = (
     "time/", "rollout/tokens_per_s", "rollout/forwards_per_token",
     "rollout/mean_accepted_length", "rollout/ahead_hit_rate", "rollout/spec_step_frac",

@@ -7,8 +7,7 @@ Each pass of `run`:
   1. divided rollout: running requests that have generated `divide_every` tokens since they
      were (re)admitted may give their slot to a queued one (`_yield_pass`);
   2. free slots take queued requests in the admission order's choice (`_fill_slots`);
-  3. with no queue, live rows that fit a smaller bucket move into it where the cost model
-     says the move pays (tail.py), once the step in flight is read;
+  3. with no queue, the live rows move into a smaller bucket where that pays (tail.py);
   4. the engine decides whether to draft (`RolloutEngine._plan`); drafts need the previous
      step's tokens and a bucket move a quiet state, so those read the step in flight first;
   5. the next step is drafted, packed and dispatched (`_dispatch`), and only then is the step
@@ -264,7 +263,8 @@ class Rollout:
     stats.dispatch_time_s += now - tv
     host_s = now - self.host_from[0] - (stats.device_time_s - self.host_from[1])
     self.host_from = (now, stats.device_time_s)
-    self.pass_s = host_s if self.pass_s is None else 0.75 * self.pass_s + 0.25 * host_s
+    self.pass_s = host_s if self.pass_s is None else (  # an EMA of the cost model's weight
+        self.pass_s + engine.costs.ema * (host_s - self.pass_s))
     shape = (bucket, p, t, s)
     st = _Step(out, rows, shape, k, asked=speculate, ask_gain=ask_gain,
                timed=(t > 1 or not speculate) and not self.untimed,

@@ -66,12 +66,15 @@ def warm_up(engine, filters: bool = False) -> None:
       if timed:
         engine.yield_cost = cost
     if bucket != buckets[-1]:  # the move out of this bucket: compiled, then timed
-      best = float("inf")
-      for rep in range(1 + TIMING_REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(engine._shrink(state, bucket, list(range(bucket)))[0])
-        best = min(best, time.perf_counter() - t0) if rep else best
-      engine.move_seconds[bucket] = best
+      move = lambda: jax.block_until_ready(engine._shrink(state, bucket, list(range(bucket))))
+      move()
+      engine.move_seconds[bucket] = min(_seconds(move) for _ in range(TIMING_REPS))
+
+
+def _seconds(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
 
 
 def compile_threads(engine) -> int:

@@ -18,11 +18,12 @@ prompt's own past lengths (the empirical residual life E[L - n | L > n]).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import Hashable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
+
+from rhyme_jax.rollout.tail import longer_than, suffix_sums
 
 STATS = ("mean", "max", "median", "q75", "q90")
 
@@ -74,23 +75,6 @@ class StoreLengths:
 
   def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
     return list(self.store.epoch_lengths(key))
-
-
-def _suffix_sums(parts: list[np.ndarray]) -> tuple[list[int], list[float]]:
-  """(sorted lengths, sums of each suffix with the empty one last) of the concatenated `parts`,
-  for `_longer_than` in O(log n) (Python lists: bisect on a few hundred lengths beats numpy's
-  call overhead, and the engine asks `remaining_tokens` between decode steps)."""
-  lengths = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-  sums = np.concatenate([np.cumsum(lengths[::-1])[::-1], [0]]).astype(np.float64)
-  return lengths.tolist(), sums.tolist()
-
-
-def _longer_than(table: tuple[list[int], list[float]], n: int) -> tuple[int, float]:
-  """(how many, their sum) of a `_suffix_sums` table's lengths greater than n (integer sums,
-  exact in float64)."""
-  lengths, sums = table
-  at = bisect.bisect_right(lengths, n)
-  return len(lengths) - at, sums[at]
 
 
 def group_stat(lengths: np.ndarray, stat: str) -> float:
@@ -215,15 +199,15 @@ class LengthPredictor:
       return 0.0
     if self._all_lengths is None:
       kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
-      self._all_lengths = _suffix_sums(kept)
+      self._all_lengths = suffix_sums(kept)
     if key not in self._own_lengths:
-      self._own_lengths[key] = _suffix_sums([l for _, l in self.source.epoch_lengths(key)])
-    n_every, sum_every = _longer_than(self._all_lengths, generated)
+      self._own_lengths[key] = suffix_sums([l for _, l in self.source.epoch_lengths(key)])
+    n_every, sum_every = longer_than(self._all_lengths, generated)
     if not n_every:
       return max(room / 2, 1.0)
     # every prompt's residual life: all there is once the request outran its own lengths
     residual = sum_every / n_every - generated
-    n_own, sum_own = _longer_than(self._own_lengths[key], generated)
+    n_own, sum_own = longer_than(self._own_lengths[key], generated)
     if n_own:
       k = self.residual_prior
       residual = (sum_own - n_own * generated + k * residual) / (n_own + k)
