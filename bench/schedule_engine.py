@@ -29,7 +29,8 @@ reads and the number of those reads, wall time beyond the modelled step times sp
 came before each step (`excess_by_event`), and the CRC32 of all sampled tokens, equal across
 policies (the order never changes what is sampled).
 Policies run in the order given, one after another on an idle machine; `--repeats` runs the
-whole list again and keeps each policy's fastest run.
+whole list again and keeps each policy's fastest run; with several, the notes also give each
+policy's makespan / oracle and tail cut vs FIFO within each repeat, and their median.
 
   python bench/schedule_engine.py                      # CPU: 8 prompts x G=8, 8 slots (~15 min)
   python bench/schedule_engine.py --num_prompts 2 --group_size 4 --slots 2 --max_new_tokens 32 \\
@@ -162,6 +163,38 @@ def host_parts_ms(st) -> dict[str, float]:
   return {k: 1e3 * v / n for k, v in parts.items()}
 
 
+def by_repeat(reps: list[dict], policies) -> dict[str, dict[str, list[float]]]:
+  """Each policy's makespan / oracle and tail cut vs FIFO within each repeat (`reps`: per repeat,
+  policy -> its row), for the repeats that ran the reference; the fastest-run table pairs
+  runs from different repeats, and where a tail is a few launches long one late request moves
+  it, so these say how much of a figure is the draw of the run."""
+  out = {}
+  for name in policies:
+    got = out[name] = {"makespan / oracle": [], "tail cut vs fifo": []}
+    for rep in reps:
+      r, ref, fifo = rep[name], rep.get("oracle"), rep.get("fifo")
+      if ref:
+        got["makespan / oracle"].append(r["makespan"] / ref["makespan"])
+      if fifo and fifo["tail"] > 0:
+        got["tail cut vs fifo"].append(1 - r["tail"] / fifo["tail"])
+  return out
+
+
+def describe_repeats(stats: dict[str, dict[str, list[float]]]) -> list[str]:
+  """One line per policy and figure over two or more repeats: each repeat's value, then their
+  median (not the reference's own: the oracle's makespan / oracle, FIFO's tail cut)."""
+  lines = []
+  for name, figures in stats.items():
+    for figure, values in figures.items():
+      own = "oracle" if figure.startswith("makespan") else "fifo"
+      if len(values) < 2 or name == own:
+        continue
+      show = (lambda v: f"{100 * v:.0f}%") if figure.startswith("tail") else "{:.3f}".format
+      lines.append(f"{name}, {figure} by repeat (same repeat's runs): "
+                   f"{', '.join(map(show, values))}; median {show(float(np.median(values)))}")
+  return lines
+
+
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -210,6 +243,7 @@ def main(argv=None):
         flush=True)
   true_lengths: dict[int, int] = {}
   best: dict[str, dict] = {}
+  reps: list[dict[str, dict]] = []  # per repeat: policy -> its row
   margins: dict[str, tuple[float, float]] = {}  # divided policies: (yield cost, margin)
 
   def run(name):
@@ -230,6 +264,7 @@ def main(argv=None):
     return policy, engine.generate(requests(1), admission=EngineOrder(policy))
 
   for rep in range(args.repeats):
+    reps.append({})
     for name in args.policies:
       divided = "+divided" in name
       policy, results = run(name)
@@ -255,6 +290,7 @@ def main(argv=None):
             f"crc {row['crc']:08x}", flush=True)
       if divided:
         margins[name] = (policy.yield_cost, policy.yield_margin(args.divide_every))
+      reps[-1][name] = row
       if name not in best or row["makespan"] < best[name]["makespan"]:
         best[name] = row
   if args.profile:
@@ -297,6 +333,9 @@ def main(argv=None):
         *(f"{best[name]['parts'][k]:.2f}" for k in HOST_PARTS)] for name in args.policies])
   print(table_md)
   print(f"sampled tokens identical across policies: {'yes' if same else 'NO'}")
+  per_repeat = describe_repeats(by_repeat(reps, args.policies))
+  for line in per_repeat:
+    print(line)
   notes = [f"{args.num_prompts} GSM8K train prompts (from {args.prompt_offset}) x G="
            f"{args.group_size} = {n} requests, {args.slots} slots (buckets {cfg.buckets}), "
            f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, plain decoding "
@@ -345,6 +384,7 @@ def main(argv=None):
              f"yield / a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens at the "
              "opening (it shrinks with the work left)"
              for name, (c, m) in margins.items()],
+           *per_repeat,
            *args.note]
   if not args.no_append:
     common.append_results("Rollout engine: admission orders and divided rollout "

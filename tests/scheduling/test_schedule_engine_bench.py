@@ -98,3 +98,23 @@ def test_gpu_script_names_a_missing_input_and_passes_shellcheck(tmp_path):
   if shutil.which("shellcheck"):
     r = subprocess.run(["shellcheck", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+def test_by_repeat_pairs_each_policy_with_the_same_repeats_references():
+  """Makespan / oracle and tail cut vs FIFO within each repeat, never across repeats (the
+  fastest-run table may pair runs of different repeats), and their median in the notes."""
+  row = lambda makespan, tail: dict(makespan=makespan, tail=tail)
+  reps = [dict(fifo=row(10.0, 2.0), divided=row(9.0, 0.4), oracle=row(9.0, 0.5)),
+          dict(fifo=row(11.0, 1.0), divided=row(10.0, 0.5), oracle=row(8.0, 0.2)),
+          dict(fifo=row(10.0, 4.0), divided=row(8.0, 0.4), oracle=row(8.0, 1.0))]
+  got = schedule_engine.by_repeat(reps, ["fifo", "divided", "oracle"])
+  assert got["divided"]["makespan / oracle"] == pytest.approx([1.0, 1.25, 1.0])
+  assert got["divided"]["tail cut vs fifo"] == pytest.approx([0.8, 0.5, 0.9])
+  assert got["oracle"]["tail cut vs fifo"] == pytest.approx([0.75, 0.8, 0.75])
+  lines = schedule_engine.describe_repeats(got)
+  assert ("divided, tail cut vs fifo by repeat (same repeat's runs): 80%, 50%, 90%; median 80%"
+          in lines)
+  assert ("divided, makespan / oracle by repeat (same repeat's runs): 1.000, 1.250, 1.000; "
+          "median 1.000" in lines)
+  assert not any(line.startswith(("oracle, makespan", "fifo, tail")) for line in lines)
+  assert schedule_engine.describe_repeats(schedule_engine.by_repeat(reps[:1], ["divided"])) == []
