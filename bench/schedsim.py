@@ -247,9 +247,10 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                       divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table],
                                              args.yield_pass_ms[sc.table]),
                       multi_step=sc.multi_step, pipeline=sc.pipeline)
-      # The order is told a pass of one yield, in steps of the batch (as the engine tells it).
+      # The order is told a pass of one yield, in steps of the batch (as the engine tells it),
+      # times --told_cost (a sensitivity check of the margin rule; 1 = the engine's).
       yield_cost = ((args.yield_ms[sc.table] + args.yield_pass_ms[sc.table])
-                    / table.ms(sc.slots, 0))
+                    / table.ms(sc.slots, 0)) * args.told_cost
       per_step = {p: [] for p in POLICIES}
       for case in cases:
         plan = (shard_plan(sc.plan, case.jobs, case.predictor, sc.shards) if sc.shards > 1
@@ -319,6 +320,16 @@ def _yield_pair(text: str) -> dict[str, float]:
   return {"h100": h, "cpu": c}
 
 
+def _positive(text: str) -> float:
+  try:
+    x = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+  if not (x > 0 and x < float("inf")):
+    raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+  return x
+
+
 def _slot_pair(text: str) -> tuple[int, int]:
   try:
     h, c = (int(x) for x in text.split(","))
@@ -355,6 +366,10 @@ def main(argv=None) -> None:
                   help="H,C: ms more per step that yields at all (the engine copies a pass's "
                        "rows in one call each way; default: measured, "
                        f"{YIELD_PASS_MS['h100']:g},{YIELD_PASS_MS['cpu']:g})")
+  ap.add_argument("--told_cost", type=_positive, default=1.0,
+                  help="the yield cost history_residual is told, as a multiple of a pass of one "
+                       "yield (1: what the engine tells it; below 1, a pass's yields sharing its "
+                       "copy calls; a sensitivity check of the margin rule)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
@@ -436,7 +451,7 @@ def main(argv=None) -> None:
         + (f", and a step that yields at all {args.yield_pass_ms['h100']:g} / "
            f"{args.yield_pass_ms['cpu']:g} ms more (a pass's copies share one call each way)"
            if any(args.yield_pass_ms.values()) else "") + "; the order is told a pass of one "
-        "yield; "
+        "yield" + (f" x {args.told_cost:g} (--told_cost)" if args.told_cost != 1 else "") + "; "
         "history_residual yields only to a margin of sqrt(yield cost in steps x expected tokens "
         "left) - chunk more expected remaining tokens (ResidualPolicy.yield_margin; tokens left = "
         "requests x mean expected length less the tokens generated so far)",

@@ -93,3 +93,26 @@ def test_bad_yield_cost_flags_are_one_clear_error(flag, bad, capsys):
     schedsim.main([f"{flag}={bad}", "--no_append"])
   err = capsys.readouterr().err
   assert flag in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "x", "inf"])
+def test_bad_told_cost_is_one_clear_error(bad, capsys):
+  with pytest.raises(SystemExit):
+    schedsim.main([f"--told_cost={bad}", "--no_append"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--told_cost" in err and repr(bad) in err
+
+
+def test_told_cost_scales_the_margin_history_residual_yields_to(tmp_path, capsys):
+  """--told_cost multiplies the yield cost the order weighs: told a far dearer yield,
+  history_residual yields less often (its margin grows with the cost)."""
+  trace = schedsim.synthetic_trace(3, num_prompts=8, group_size=4, max_new_tokens=64)
+  schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
+  yields = {}
+  for told in ("1", "10000"):
+    schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
+                   "--blind_draws", "0", "--told_cost", told, "--no_append"])
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
+    yields[told] = sum(int(r[10]) for r in rows if len(r) == 15 and r[5] == "history_residual")
+  assert yields["10000"] < yields["1"]
