@@ -1,31 +1,33 @@
 #!/usr/bin/env bash
-# GPU figures of rollout scheduling and multi-step launches, in one go (~12 min on 1 x H100):
+# GPU figures of rollout scheduling and multi-step launches, in one go (~14 min on 1 x H100):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
 #
 # Most telling first, so that a lease cut short loses the least:
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
-#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, on each prompt
+#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, on the first prompt
 #    set of OFFSETS (default "16 0": prompts 16-31, where the tail-cut target was missed on
-#    2026-11-27, then 0-15), then at 1 step per launch on prompts 0-15 (~3 min each):
-#    wall-clock makespan and tail against the oracle's (the scheduling issue's targets), host
-#    ms per decode step by part.
+#    2026-11-27), REPEATS times (default 5: a rollout takes ~3 s, compiling ~2 min; the notes
+#    give each repeat's tail cut and their median): wall-clock makespan and tail against the
+#    oracle's (the scheduling issue's targets), host ms per decode step by part.
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
-#    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min). A lease's call
-#    runs at most 10 minutes: SKIP_ENGINE=1 runs this step (and the host benches) without
-#    step 1, in a call of its own.
+#    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
+# 3. step 1 on the other prompt sets of OFFSETS, then at 1 step per launch on prompts 0-15
+#    (~3 min each; these were measured on 2026-11-27 and are re-checks).
+# A lease's call runs at most 10 minutes, about steps 1-2 and one run of step 3: SKIP_ENGINE=1
+# runs step 2 (and the host benches) without the others, in a call of its own.
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
-# 3. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
+# 4. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
 #    which host calls (dispatches, copies, the order's work) take a GPU host's time.
-# 4. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+# 5. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
 #    step, one plain step per compiled call against MULTI_STEP.
-# 5. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+# 6. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
 #    pass with a tiny model (device work negligible), on this machine's host; against the same
 #    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
-# 6. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
+# 7. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
 #    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
 #    host mid-call; a bare dispatch near the step's device time shows that sync.
 # Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
@@ -40,6 +42,7 @@ cd "$(dirname "$0")/.."
 : "${RHYME_JAX_GSM8K_DIR:?set RHYME_JAX_GSM8K_DIR to the GSM8K data directory}"
 OUT=${OUT:-/tmp/gpu_schedule}
 K=${MULTI_STEP:-4}
+REPEATS=${REPEATS:-5}
 NOTE=${NOTE:-"GPU, float32 with JAX_DEFAULT_MATMUL_PRECISION=highest (bench/gpu_schedule.sh)"}
 mkdir -p "$OUT"
 export JAX_DEFAULT_MATMUL_PRECISION=highest PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
@@ -51,21 +54,25 @@ schedule_engine() {  # step 1's command; further schedule_engine flags as argume
     --max_new_tokens 256 --policies fifo,residual+divided,oracle --compile_threads 8 "$@"
 }
 engine() {  # engine OFFSET STEPS_PER_LAUNCH: one recorded run of step 1
-  schedule_engine --repeats 2 --prompt_offset "$1" --multi_step "$2" --note "$NOTE" 2>&1 |
-    tee "$OUT/engine_p$1_k$2.log"
+  schedule_engine --repeats "$REPEATS" --prompt_offset "$1" --multi_step "$2" --note "$NOTE" \
+    2>&1 | tee "$OUT/engine_p$1_k$2.log"
   keep
 }
 
+read -r -a offsets <<< "${OFFSETS:-16 0}"
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
-  for off in ${OFFSETS:-16 0}; do
-    engine "$off" "$K"
-  done
-  engine 0 1
+  engine "${offsets[0]}" "$K"
 fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
   --max_new_tokens 256 --multi_step "$K" --compile_threads 8 --note "$NOTE" 2>&1 |
   tee "$OUT/bucket_moves.log"
 keep
+if [ "${SKIP_ENGINE:-0}" != 1 ]; then
+  for off in "${offsets[@]:1}"; do
+    engine "$off" "$K"
+  done
+  engine 0 1
+fi
 if [ "${HOST_BENCHES:-0}" != 1 ]; then
   exit 0
 fi
