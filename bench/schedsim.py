@@ -4,8 +4,9 @@ Replays one GRPO step's requests (the last epoch of a trace, or every step of a 
 through `scheduling.simulate` (the engine's slots, shrinking buckets, measured step times,
 optional speculation and divided rollout) under each admission policy; history-based policies
 predict from the trace's earlier epochs only. Reports makespan, tail time (last 10% of
-requests), slot utilisation, ratios to the oracle order (true lengths, longest first) and the tail cut vs FIFO; prints the table and
-appends it to bench/RESULTS.md.
+requests), slot utilisation, ratios to the oracle order (true lengths, longest first) and the
+tail cut vs FIFO; prints the table and appends it to bench/RESULTS.md. `--told_cost` scales
+the yield cost history_residual weighs (a sensitivity check of its margin rule).
 
 Traces (`--trace`, repeatable; read by bench/schedsim_traces.py):
   synthetic[:SEED]   a generated trace (log-normal prompt difficulty, per-sample noise, epoch

@@ -4,7 +4,8 @@ One program per row (grid over B): the row's kv_len and q_len come in by scalar 
 (SMEM), so the program knows how many KV blocks are live before touching HBM. The cache stays
 in HBM (memory_space=ANY) viewed as [L, B, S, K*H] (a free reshape; L = 1 unless a stacked
 per-layer cache comes with `layer`, read in place: no layer is sliced out, which would copy the
-whole layer before the kernel runs); the kernel copies block i of the row with a manual, double-buffered DMA (block i+1 is in flight while block i is used), and
+whole layer before the kernel runs); the kernel copies block i of the row with a manual,
+double-buffered DMA (block i+1 is in flight while block i is used), and
 loops over cdiv(kv_len + q_len, C) blocks only, so nothing past a row's live length is read.
 The last block of a row also starts the next row's first block, so no row waits on its first
 copy (the grid is therefore "arbitrary": programs run in order on one core).

@@ -50,7 +50,8 @@ class Recording:
     r = len(self.responses)
     if not len(self.request_ids) == len(self.prompt_index) == len(self.finish) == r:
       raise ValueError(f"Recording: {r} responses but {len(self.request_ids)} request ids, "
-                       f"{len(self.prompt_index)} prompt indices, {len(self.finish)} finish reasons")
+                       f"{len(self.prompt_index)} prompt indices, {len(self.finish)} finish "
+                       "reasons")
     if len(self.prompts) != len(self.prompt_keys):
       raise ValueError(f"Recording: {len(self.prompts)} prompts but {len(self.prompt_keys)} keys")
     if r and not 0 <= int(np.min(self.prompt_index)) <= int(np.max(self.prompt_index)) < len(

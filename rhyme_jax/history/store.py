@@ -189,7 +189,8 @@ class HistoryStore:
     except KeyError as e:
       raise ValueError(f"HistoryStore.load_state_dict: missing field {e}") from e
     if not len(lengths) == len(rewards) == len(epochs) == len(key_ids):
-      raise ValueError("HistoryStore.load_state_dict: lengths/rewards/epochs/key_ids differ in size")
+      raise ValueError("HistoryStore.load_state_dict: lengths/rewards/epochs/key_ids differ in "
+                       "size")
     if int(lengths.sum()) != len(tokens):
       raise ValueError(f"HistoryStore.load_state_dict: lengths sum to {int(lengths.sum())} but "
                        f"tokens has {len(tokens)}")

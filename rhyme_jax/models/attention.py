@@ -312,7 +312,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotary embedding, HF "rotate half" layout (llama.cpp's interleaved layout is undone at load)."""
+  """Rotary embedding, HF "rotate half" layout (llama.cpp's interleaved layout is undone at
+  load)."""
   freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   emb = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(emb), jnp.sin(emb)

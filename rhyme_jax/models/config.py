@@ -84,7 +84,8 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
   @classmethod
-  def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json", **overrides) -> "ModelConfig":
+  def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json",
+              **overrides) -> "ModelConfig":
     """Builds a config from an HF `config.json` dict; `source` names the file in errors."""
     names = list(hf.get("architectures") or []) + [hf.get("model_type")]
     arch = next((_HF_ARCH[n] for n in names if n in _HF_ARCH), None)

@@ -130,7 +130,8 @@ def estimate(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimate:
   seq = length_buckets(c.rollout.max_prompt_len + c.rollout.max_new_tokens)[-1]
   return MemoryEstimate(
       params=p_bytes, opt_state=o_bytes, ref_params=p_bytes if c.rl.kl_beta > 0 else 0,
-      grads=3 * p_bytes, activations=activation_bytes(m, rows, seq, jnp.dtype(m.jnp_dtype).itemsize),
+      grads=3 * p_bytes,
+      activations=activation_bytes(m, rows, seq, jnp.dtype(m.jnp_dtype).itemsize),
       kv_cache=kv_bytes, kv_bucket=bucket, kv_positions=eng.cache_len, rollout_params=replica)
 
 

@@ -105,8 +105,8 @@ class Rollouts:
                       if c.rollout.schedule != "fifo" else None)
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
                     if c.rollout.spec == "histospec" else None)
-    self.engine = RolloutEngine(model, engine_config(c, tokenizer.stop_ids, self.drafter is not None),
-                                self.drafter)
+    self.engine = RolloutEngine(
+        model, engine_config(c, tokenizer.stop_ids, self.drafter is not None), self.drafter)
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                    top_k=c.rollout.top_k, max_new_tokens=c.rollout.max_new_tokens)
     self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0)

@@ -130,6 +130,7 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
   s = c.rollout.max_prompt_len + c.rollout.max_new_tokens
   n = c.rl.samples_per_step
   gib = lambda n: f"{n / 2**30:.2f} GiB"
+  resumes = (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists()
   lines = [
       f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.default_backend()} device(s)",
       f"model: {c.model.model} ({m.arch}, {m.num_layers} layers, width {d}, heads "
@@ -149,7 +150,7 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       + (f"{gib(limit)}: {'fits' if est.total <= limit else 'DOES NOT FIT'}" if limit
          else "not reported (no check)"),
       f"processes: {_describe_processes(inputs.distributed)}",
-      f"run dir: {c.run.run_dir} ({'resumes' if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists() else 'new'}); "
+      f"run dir: {c.run.run_dir} ({'resumes' if resumes else 'new'}); "
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
   ]
   return "\n".join(lines)
@@ -228,7 +229,8 @@ class Trainer:
     try:
       data_state = hosts.my_data_state(host["data_iter"], self.process_index,
                                        self.process_count,
-                                       f"checkpoint {self.checkpointer.directory / str(state.step)}")
+                                       f"checkpoint "
+                                       f"{self.checkpointer.directory / str(state.step)}")
     except ValueError as e:
       raise ckpt_lib.CheckpointError(str(e)) from e
     self.data_iter.set_state(data_state)
