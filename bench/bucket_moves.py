@@ -34,8 +34,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-from bench.histospec import MODEL_NAME, gsm8k_prompts  # noqa: E402
-from bench.schedule_engine import buckets_for, tokens_crc  # noqa: E402
+from bench.histospec import gsm8k_prompts  # noqa: E402
+from bench.schedule_engine import (  # noqa: E402
+    add_engine_flags, buckets_for, check_counts, tokens_crc)
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
@@ -46,28 +47,11 @@ MODES = ("always", "cost")
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default=MODEL_NAME, help="model name or path (GGUF / HF directory)")
-  p.add_argument("--num_prompts", type=int, default=4, help="GSM8K train prompts")
-  p.add_argument("--prompt_offset", type=int, default=0, help="index of the first prompt")
-  p.add_argument("--group_size", type=int, default=8, help="samples per prompt (G)")
-  p.add_argument("--slots", type=int, default=8, help="engine rows (its largest bucket)")
-  p.add_argument("--max_new_tokens", type=int, default=128)
-  p.add_argument("--temperature", type=float, default=0.6)
-  p.add_argument("--multi_step", type=int, default=1,
-                 help="plain decode steps per engine launch (EngineConfig.multi_step)")
-  p.add_argument("--compile_threads", type=int, default=0,
-                 help="warm-up compiles the buckets in this many threads (EngineConfig."
-                      "compile_threads; 0 = its default: threads on a CPU backend only)")
+  add_engine_flags(p, num_prompts=4, max_new_tokens=128)
   p.add_argument("--repeats", type=int, default=2, help="runs of each mode; fastest kept")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
-  p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
   args = p.parse_args(argv)
-  for flag in ("num_prompts", "group_size", "slots", "max_new_tokens", "multi_step", "repeats"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
-  if args.compile_threads < 0:
-    p.error(f"--compile_threads={args.compile_threads}: must be >= 0")
+  check_counts(p, args, ("num_prompts", "group_size", "slots", "max_new_tokens", "multi_step",
+                         "repeats"), ("compile_threads",))
   return args
 
 

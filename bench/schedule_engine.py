@@ -45,6 +45,7 @@ import os
 import sys
 import time
 import zlib
+from typing import Sequence
 
 import numpy as np
 
@@ -64,29 +65,45 @@ POLICIES = ("fifo", "history", "probe", "residual", "residual+divided", "residua
             "residual+divided+waited", "oracle")
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_engine_flags(p: argparse.ArgumentParser, *, num_prompts: int,
+                     max_new_tokens: int) -> None:
+  """The flags the real-rollout benches share (this one and bench/bucket_moves.py): the model,
+  the GSM8K prompts and samples, the engine's rows and launches, and what is recorded."""
   p.add_argument("--model", default=MODEL_NAME, help="model name or path (GGUF / HF directory)")
-  p.add_argument("--num_prompts", type=int, default=8, help="GSM8K train prompts")
+  p.add_argument("--num_prompts", type=int, default=num_prompts, help="GSM8K train prompts")
   p.add_argument("--prompt_offset", type=int, default=0, help="index of the first prompt")
   p.add_argument("--group_size", type=int, default=8, help="samples per prompt (G)")
   p.add_argument("--slots", type=int, default=8, help="engine rows (its largest bucket)")
-  p.add_argument("--max_new_tokens", type=int, default=256)
+  p.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
   p.add_argument("--temperature", type=float, default=0.6)
-  p.add_argument("--divide_every", type=int, default=16,
-                 help="residual+divided: tokens between a request's offers to yield its slot")
-  p.add_argument("--park_rows", type=int, default=0,
-                 help="residual+divided: parked KV rows (0: every request can park)")
   p.add_argument("--compile_threads", type=int, default=0,
                  help="warm-up compiles the buckets in this many threads (EngineConfig."
                       "compile_threads; 0 = its default: threads on a CPU backend only)")
   p.add_argument("--multi_step", type=int, default=1,
                  help="plain decode steps per engine launch (EngineConfig.multi_step)")
-  p.add_argument("--policies", default=",".join(POLICIES), help=f"from {POLICIES}")
-  p.add_argument("--repeats", type=int, default=1, help="runs of the policy list; fastest kept")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+
+
+def check_counts(p: argparse.ArgumentParser, args, positive: Sequence[str],
+                 non_negative: Sequence[str] = ()) -> None:
+  """One-line parser errors for count flags below their floor (>= 1, or >= 0)."""
+  for flags, floor in ((positive, 1), (non_negative, 0)):
+    for flag in flags:
+      if getattr(args, flag) < floor:
+        p.error(f"--{flag}={getattr(args, flag)}: must be >= {floor}")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_engine_flags(p, num_prompts=8, max_new_tokens=256)
+  p.add_argument("--divide_every", type=int, default=16,
+                 help="residual+divided: tokens between a request's offers to yield its slot")
+  p.add_argument("--park_rows", type=int, default=0,
+                 help="residual+divided: parked KV rows (0: every request can park)")
+  p.add_argument("--policies", default=",".join(POLICIES), help=f"from {POLICIES}")
+  p.add_argument("--repeats", type=int, default=1, help="runs of the policy list; fastest kept")
   p.add_argument("--profile", default="",
                  help="a directory: after the timed runs, one more run per policy under "
                       "cProfile, its busiest host functions written to profile_<policy>.txt "
@@ -100,13 +117,8 @@ def parse_args(argv=None):
     p.error(f"--policies: {bad[0]!r} is not one of {', '.join(POLICIES)}")
   if "fifo" not in policies and "oracle" in policies:
     p.error("--policies: oracle needs fifo (it learns the true lengths from the fifo run)")
-  for flag in ("num_prompts", "group_size", "slots", "max_new_tokens", "divide_every", "repeats",
-               "multi_step"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
-  for flag in ("park_rows", "compile_threads"):
-    if getattr(args, flag) < 0:
-      p.error(f"--{flag}={getattr(args, flag)}: must be >= 0")
+  check_counts(p, args, ("num_prompts", "group_size", "slots", "max_new_tokens", "divide_every",
+                         "repeats", "multi_step"), ("park_rows", "compile_threads"))
   args.policies = policies
   return args
 

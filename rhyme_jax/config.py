@@ -230,10 +230,9 @@ _FLAGS = {
          "Changes how long the first step waits, never what compiles or is sampled."),
         ("multi_step", 1, "Plain decode steps the rollout engine runs per compiled call "
          f"(1-{MAX_MULTI_STEP}): the host dispatches and reads once per this many tokens per "
-         "row, for "
-         "accelerators where the host's per-step work nears the device's step time. A request "
-         "ending inside a call computes the rest of it for nothing. Never changes what is "
-         "sampled."),
+         "row, for accelerators where the host's per-step work nears the device's step time. "
+         "A request ending inside a call computes the rest of it for nothing. Never changes "
+         "what is sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
