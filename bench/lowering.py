@@ -75,10 +75,21 @@ def programs(engine) -> dict:
       "slot loading": (compiled.load_slots_jit, (state, np.zeros((5, BUCKET), np.int32),
                                                  np.ones((2, BUCKET), np.float32)), {}),
       "bucket move": (compiled.regroup_jit, (state, np.arange(2, dtype=np.int32)), {}),
-      "row copies (divided rollout)": (compiled.copy_rows_jit,
-                                       (state.cache, state.cache, np.zeros((2, 4), np.int32)),
-                                       {}),
+      "row copies (divided rollout)": row_copies(compiled, state),
   }
+
+
+def row_copies(compiled, state):
+  """Divided rollout's row copies: a pass's parks, resumes and slot loading in one call, or in
+  a checkout from before that, the copies alone (`copy_rows_jit`)."""
+  import numpy as np
+  rows = np.zeros((2, 4), np.int32)
+  if hasattr(compiled, "park_resume_load_jit"):
+    from rhyme_jax.rollout import step
+    return (compiled.park_resume_load_jit,
+            (state, state.cache, step.pass_ints(rows, rows, np.zeros((5, BUCKET), np.int32)),
+             np.ones((2, BUCKET), np.float32)), {})
+  return compiled.copy_rows_jit, (state.cache, state.cache, rows), {}
 
 
 def measure(code: str) -> list[dict]:

@@ -7,8 +7,9 @@ the ways `ParkPool.warmup` does:
     rollout pays: its copies follow steps without a wait; the engine hands this to the
     admission order);
   - waited: the fastest single pass waited for (adds the host round trip);
-  - a pass of 4 yields, queued (the engine parks a pass's yields in one call and resumes them
-    in one more, `kv_cache.copy_rows`), per yield: what batching the copies saves.
+  - a pass of 4 yields, queued (the engine makes a pass's parks and resumes in one call with
+    its slot loading, `step.park_resume_load`), per yield: what batching the copies saves.
+Each beyond a call that only loads slots (which admission makes anyway).
 The copies update the pool and the batch in place (both donated); the time should not grow
 with the pool's rows (it would if XLA copied a whole cache). Needs no weights: caches of
 zeros with SmolLM2-135M's KV shape (30 layers x 3 KV heads x 64), float32.
@@ -28,6 +29,7 @@ from bench import common  # noqa: E402
 from rhyme_jax.models.attention import KVCache  # noqa: E402
 from rhyme_jax.models.config import ModelConfig  # noqa: E402
 from rhyme_jax.rollout.divided import ParkPool  # noqa: E402
+from rhyme_jax.rollout.step import DecodeState  # noqa: E402
 
 # SmolLM2-135M's attention shape (the KV row a yield copies).
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -59,8 +61,8 @@ def main(argv=None):
   rows = []
   for n in pools:
     pool = ParkPool(cfg, n, args.cache_len, lambda t: t)
-    cache = KVCache.zeros(cfg, args.batch, args.cache_len)
-    cache, cost = pool.warmup(cache, args.reps)
+    state = DecodeState.empty(KVCache.zeros(cfg, args.batch, args.cache_len))
+    state, cost = pool.warmup(state, args.reps)
     # Each copy reads and writes one row (K and V): 2 x row_bytes per copy, two copies.
     per = cost.many / cost.rows
     rows.append([n, args.batch, f"{row_bytes / 2**20:.1f}", f"{1e3 * cost.one:.3f}",
@@ -69,7 +71,7 @@ def main(argv=None):
     print(f"[park_copy] pool {n}: queued {1e3 * cost.one:.3f} ms, waited "
           f"{1e3 * cost.one_waited:.3f} ms per yield; {1e3 * per:.3f} ms per yield in a pass "
           f"of {cost.rows}", flush=True)
-    del pool, cache
+    del pool, state
   table = common.markdown_table(["pool rows", "batch rows", "KV row MiB", "queued ms / yield",
                                  "waited ms / yield", "queued GB/s moved", "pass of",
                                  "queued ms / yield in the pass", "saving"], rows)

@@ -5,12 +5,13 @@ work around a yield (parking a request's KV row, bringing it back) and around an
 prefill dispatches) is on the critical path: bench/schedule_engine.py measured ~1.5 ms of wall
 clock per yield there. This bench times that host work alone with a tiny random model, whose
 device work is negligible, so the figure does not depend on the model: 64 yields (park +
-resume, no waits; one per copy call, and in passes of 4 as the engine now copies a pass's
-yields together) and 16 admissions of 40-token prompts (prefill chunk dispatches and slot
-loading), the fastest of 5 rounds, each tree in its own process; and one pass of yield checks
-(32 running requests asked with 96 waiting, history_residual), residual-life estimates that
-miss the order's cache (`LengthPredictor.remaining_tokens`), and admission choices over 96
-waiting requests (`next_to_admit`, once per admission and per rule a yield pass builds).
+resume, no waits; one per pass, and in passes of 4, as the engine makes a pass's copies: in
+the call that loads its slots) and 16 admissions of 40-token prompts (prefill chunk
+dispatches and slot loading), the fastest of 5 rounds, each tree in its own process; and one
+pass of yield checks (32 running requests asked with 96 waiting, history_residual),
+residual-life estimates that miss the order's cache (`LengthPredictor.remaining_tokens`), and
+admission choices over 96 waiting requests (`next_to_admit`, once per admission and per rule a
+yield pass builds).
 
   python bench/yield_cost.py --old /tmp/old_checkout
 """
@@ -58,38 +59,52 @@ def measure(code: str) -> dict:
     state = eng._admit(state, [(i, Request(100 + i, p)) for i, p in enumerate(prompts)])  # pylint: disable=protected-access
     per_admit = min(per_admit, (time.perf_counter() - t0) / ADMITS)
     jax.block_until_ready(state)
-    cache = state.cache
     for n in (1, PASS):
       pool.reset()
       t0 = time.perf_counter()
-      cache = yields(pool, cache, n)
+      state = yields(pool, state, n)
       per_yield[n] = min(per_yield.get(n, float("inf")), (time.perf_counter() - t0) / YIELDS)
-      jax.block_until_ready(cache)
+      jax.block_until_ready(state)
   return dict(code="this tree" if code == HERE else code, per_yield_us=1e6 * per_yield[1],
               per_yield_pass_us=1e6 * per_yield[PASS], per_admit_us=1e6 * per_admit,
               per_check_us=1e6 * check_pass(), per_miss_us=1e6 * residual_miss(),
               per_pick_us=1e6 * admission_pick())
 
 
-def yields(pool, cache, per_pass: int):
-  """YIELDS parks then YIELDS resumes, `per_pass` of each per call where the pool takes a
-  pass's rows at once (`ParkPool.park(cache, [(slot, record), ...])`); one at a time in a
-  checkout from before that (`park(cache, slot, record)`)."""
+def yields(pool, state, per_pass: int):
+  """YIELDS parks and YIELDS resumes, `per_pass` of each per pass, as the engine's passes make
+  them: in the call that loads a pass's slots (`ParkPool.flush`: each pass parks `per_pass`
+  rows and resumes the previous pass's), or in a checkout from before that, all the parks
+  then all the resumes, `per_pass` per copy call (`ParkPool.park(cache, [(slot, record),
+  ...])`) or one at a time (`park(cache, slot, record)`). Returns the state."""
+  import numpy as np
   from rhyme_jax.rollout.engine import Request
   from rhyme_jax.rollout.live import LiveRequest
-  batched = len(inspect.signature(pool.park).parameters) == 2
-  if not batched:
+  params = len(inspect.signature(pool.park).parameters)
+  if params == 1:
+    ints, floats = np.zeros((5, state.batch), np.int32), np.ones((2, state.batch), np.float32)
+    before = []
+    for i in range(0, YIELDS, per_pass):
+      now = [((i + j) % ADMITS, i + j) for j in range(per_pass)]
+      pool.park([(slot, LiveRequest(Request(r, [0]))) for slot, r in now])
+      pool.resume(before)
+      state = pool.flush(state, ints, floats)
+      before = now
+    pool.resume(before)
+    return pool.flush(state, ints, floats)
+  cache = state.cache
+  if params == 3:
     for i in range(YIELDS):
       pool.park(cache, i % ADMITS, LiveRequest(Request(i, [0])))
     for i in range(YIELDS):
       cache = pool.resume(cache, i % ADMITS, i)
-    return cache
+    return state.replace(cache=cache)
   for i in range(0, YIELDS, per_pass):
     pool.park(cache, [((i + j) % ADMITS, LiveRequest(Request(i + j, [0])))
                       for j in range(per_pass)])
   for i in range(0, YIELDS, per_pass):
     cache = pool.resume(cache, [((i + j) % ADMITS, i + j) for j in range(per_pass)])
-  return cache
+  return state.replace(cache=cache)
 
 
 def history_table(rng, keys):
@@ -212,10 +227,11 @@ def main(argv=None):
   if not args.no_append:
     common.append_results("Host time per yield and per admission (bench/yield_cost.py)", table,
                           notes=[f"tiny random model (host work only): {YIELDS} yields (park + "
-                                 f"resume dispatch, no waits; one per copy call, and {PASS} "
-                                 "per call where the tree parks and resumes a pass's yields "
-                                 "together: a checkout from before that copies one at a "
-                                 f"time in both columns) and {ADMITS} admissions of "
+                                 f"resume dispatch, no waits; one per pass, and {PASS} per "
+                                 "pass: a pass's copies in the call that loads its slots "
+                                 "where the tree has ParkPool.flush, else a copy call per "
+                                 "direction per pass, or one per yield in older checkouts) "
+                                 f"and {ADMITS} admissions of "
                                  "40-token prompts (prefill chunks of 16 and slot loading), "
                                  f"fastest of {ROUNDS} rounds, each tree in its own process",
                                  f"yield check: one slots_to_yield pass asking {CHECKS} running "

@@ -12,7 +12,7 @@ import threading
 
 import jax
 
-from rhyme_jax.rollout import accept, kv_cache, step
+from rhyme_jax.rollout import accept, step
 
 
 # Compiled once per process, model structure and shape (`_model_fns` below), so engines over
@@ -66,5 +66,6 @@ load_slots_jit = jax.jit(counted("load", step.load_slots), donate_argnums=(0,))
 regroup_jit = jax.jit(counted("regroup", step.regroup))
 
 
-# Divided rollout: KV rows from the batch cache to park rows and back, a pass's rows per call.
-copy_rows_jit = jax.jit(counted("copy_rows", kv_cache.copy_rows), donate_argnums=(0,))
+# Divided rollout: a pass's parks, resumes and slot loading in one call (state and pool donated).
+park_resume_load_jit = jax.jit(counted("park_resume_load", step.park_resume_load),
+                               donate_argnums=(0, 1))

@@ -12,15 +12,17 @@ depend on (seed, request, position) alone, the tokens are those of an undivided 
 parks while the step before is still in flight (the device copies after it); the request may
 resume only once the engine has read that step, so the pipeline never stops for a yield. Each
 yield costs two row copies (~2 ms each for SmolLM2-135M on the 2-core CPU, 0.18 ms on an H200
-where a decode step takes ~4 ms, both measured one yield per call). A pass parks all the
-requests it yields in one call and resumes all the parked requests it admits in another
-(`kv_cache.copy_rows`), so the dispatch and index transfer are paid per pass, not per yield
-(bench/schedsim.py's traces yield 3 to 5 requests per pass that yields). The engine times a
-pass at warm-up (`YieldCost`) and tells the admission order (`set_yield_cost`), which weighs it
-against what a yield can gain.
+where a decode step takes ~4 ms, both measured one yield per call). A pass's copies go in
+one call with the slot loading that admission makes anyway (`step.park_resume_load`): the rows
+of the requests it yields out to the pool, then the rows of the parked requests it admits back,
+so the dispatch and index transfers are paid once per pass, not per yield or per direction
+(bench/schedsim.py's traces yield 3 to 5 requests per pass that yields; bench/divided_host.py
+times the host side). The engine times a pass at warm-up (`YieldCost`) and tells the admission
+order (`set_yield_cost`), which weighs it against what a yield can gain.
 
 The pool's size is a compile-time constant, and a pass's copies come in a few sizes (powers of
-two up to 8 rows, `MAX_PASS_ROWS`), so they compile at warm-up: at most four per bucket.
+two up to 8 rows each way, `MAX_PASS_ROWS`), so they compile at warm-up: at most four per
+bucket, beside slot loading alone.
 Started-and-unfinished requests are at most slots + park_rows: a full pool stops yields until a
 parked request resumes.
 """
@@ -29,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from rhyme_jax.models.attention import KVCache
-from rhyme_jax.rollout import compiled
+from rhyme_jax.rollout import compiled, step
 from rhyme_jax.rollout.interface import yield_rule
 
 
@@ -43,10 +46,11 @@ from rhyme_jax.rollout.interface import yield_rule
 class YieldCost:
   """Device time of divided rollout's KV row copies (`ParkPool.warmup`), in seconds.
 
-  A pass of the engine parks every request it yields in one call and resumes every parked
-  request it admits in another (`ParkPool.park`, `ParkPool.resume`), so a pass of n yields
-  costs about `pass_seconds(n)` = fixed + n x per_row: the fixed part (dispatch, index
-  transfer, launch) is paid once per pass, the per-row part (bytes) once per yield."""
+  A pass of the engine parks every request it yields and resumes every parked request it
+  admits in the call that loads its admitted slots (`ParkPool.flush`), so a pass of n yields
+  costs about `pass_seconds(n)` = fixed + n x per_row beyond the slot loading it makes anyway:
+  the fixed part (a wider call's launch and index transfer) once per pass, the per-row part
+  (bytes) once per yield."""
 
   one: float  # a pass of one yield (its two copies), queued as a rollout dispatches them
   one_waited: float  # the same, each pass waited for (for comparison)
@@ -65,17 +69,24 @@ class YieldCost:
     return self.fixed + yields * self.per_row if yields else 0.0
 
 
-# The most rows one copy call moves: a pass's yields are a few (3 to 5 in bench/schedsim.py's
-# traces), and each width compiles per bucket at warm-up (an unrolled copy per row).
+# The most rows one call moves each way: a pass's yields are a few (3 to 5 in
+# bench/schedsim.py's traces), and each width compiles per bucket at warm-up (an unrolled copy
+# per row).
 MAX_PASS_ROWS = 8
 
 
 class ParkPool:
   """`rows` KV rows on the device for requests that yielded their slot, each with the engine's
-  record of it (`LiveRequest`: tokens so far), keyed by request id."""
+  record of it (`LiveRequest`: tokens so far), keyed by request id.
+
+  `park` and `resume` keep the books at once and queue the row copies; `flush` dispatches
+  them with the pass's slot loading (`step.park_resume_load`). A pass that moves rows one way
+  only pads the other with copies nobody reads: a slot into a spare pool row (the sink, never
+  handed out), or the sink into a slot this call parks (its row is saved first in the same
+  call; what the slot holds is dead until the pass admits another request there)."""
 
   def __init__(self, model_config, rows: int, cache_len: int, place: Callable[[Any], Any]):
-    self.cache = place(KVCache.zeros(model_config, rows, cache_len))
+    self.cache = place(KVCache.zeros(model_config, rows + 1, cache_len))  # + the sink
     self.rows = rows
     self.reset()
 
@@ -83,10 +94,16 @@ class ParkPool:
     """Forgets every parked request (the rows' contents are dead: overwritten on reuse)."""
     self._free = list(range(self.rows - 1, -1, -1))
     self._held: dict[int, tuple[int, Any]] = {}  # request id -> (row, record)
+    self._parks: list[tuple[int, int]] = []  # queued copies: (pool row, slot)
+    self._resumes: list[tuple[int, int]] = []  # (slot, pool row)
     self.peak = 0  # most requests parked at once (since `reset`)
 
   def free_rows(self) -> int:
     return len(self._free)
+
+  def due(self) -> bool:
+    """Whether copies wait for `flush`."""
+    return bool(self._parks or self._resumes)
 
   def record(self, request_id: int):
     """The parked request's record, or None when it is not parked."""
@@ -94,92 +111,113 @@ class ParkPool:
     return None if held is None else held[1]
 
   def pass_sizes(self, batch: int) -> list[int]:
-    """Rows one copy call moves (its index array's width), the compiled sizes for a batch of
-    `batch` rows: powers of two up to the first that holds min(batch, pool rows,
+    """Rows one call moves each way (its index arrays' width), the compiled sizes for a batch
+    of `batch` rows: powers of two up to the first that holds min(batch, pool rows,
     MAX_PASS_ROWS); a larger pass takes several calls."""
     most = max(1, min(batch, self.rows, MAX_PASS_ROWS))
     return [1 << k for k in range(most.bit_length() + (most & (most - 1) > 0))]
 
-  def _copies(self, dst: KVCache, src: KVCache, pairs: list[tuple[int, int]],
-              batch: int) -> KVCache:
-    """`dst` (donated) with the (destination row, source row) `pairs` copied from `src`: one
-    `kv_cache.copy_rows` call per MAX_PASS_ROWS pairs, each padded to the smallest
-    `pass_sizes` width that holds them by repeating its last pair (copying a row twice writes
-    the same values); one host-to-device transfer of indices per call."""
-    widest = self.pass_sizes(batch)[-1]
-    for at in range(0, len(pairs), widest):
-      part = pairs[at:at + widest]
-      part += part[-1:] * ((1 << (len(part) - 1).bit_length()) - len(part))  # a pass size
-      dst = compiled.copy_rows_jit(dst, src, np.array(part, np.int32).T)
-    return dst
-
-  def park(self, cache: KVCache, parks: list[tuple[int, Any]]) -> None:
-    """For each (slot, record): copies `slot`'s KV row of `cache` (not donated) into a free
-    pool row and keeps `record` (its `.req.request_id` the key) until the request resumes or
-    is dropped. All of them in one call (one per MAX_PASS_ROWS)."""
+  def park(self, parks: list[tuple[int, Any]]) -> None:
+    """For each (slot, record): takes a free pool row for `slot`'s KV row and keeps `record`
+    (its `.req.request_id` the key) until the request resumes or is dropped. The copy waits
+    for `flush`, which the engine calls before anything writes to the slot."""
     if len(parks) > len(self._free):
       raise RuntimeError(f"ParkPool.park: {len(parks)} rows asked, {len(self._free)} free "
                          "(the engine checks free_rows first)")
-    if not parks:
-      return
-    pairs = []
     for slot, record in parks:
       row = self._free.pop()
-      pairs.append((row, slot))
+      self._parks.append((row, slot))
       self._held[record.req.request_id] = (row, record)
-    self.cache = self._copies(self.cache, cache, pairs, cache.batch)
     self.peak = max(self.peak, len(self._held))
 
   def drop(self, request_id: int) -> None:
     """Frees a parked request's row without copying it back (it finished in flight)."""
     self._free.append(self._held.pop(request_id)[0])
 
-  def resume(self, cache: KVCache, resumes: list[tuple[int, int]]) -> KVCache:
-    """`cache` (donated) with each (slot, request id)'s parked KV row written into `slot`, in
-    one call (one per MAX_PASS_ROWS); frees their rows."""
-    if not resumes:
-      return cache
-    pairs = []
+  def resume(self, resumes: list[tuple[int, int]]) -> None:
+    """For each (slot, request id): the parked KV row goes back into `slot` at the next
+    `flush`; frees the pool row (a row parked later in the same pass is copied before it)."""
     for slot, request_id in resumes:
       row, _ = self._held.pop(request_id)
       self._free.append(row)
-      pairs.append((slot, row))
-    return self._copies(cache, self.cache, pairs, cache.batch)
+      self._resumes.append((slot, row))
 
-  def warmup(self, cache: KVCache, reps: int = 0) -> tuple[KVCache, YieldCost | None]:
-    """Compiles both copies at every pass size for a bucket's cache shape (`pass_sizes`).
-    Returns the (donated) cache back and, with `reps` > 0, what yields cost (`YieldCost`;
-    else None), timed on rows 0.. of both:
-      - queued: 4 x `reps` passes (parks, then resumes) dispatched back to back and waited for
-        once, per pass: what a pass of yields adds to the device's queue in a rollout, where
-        copies follow steps without a wait. Passes of one yield and of `YieldCost.rows`
-        (up to 4: a typical pass in bench/schedsim.py's traces moves 3 to 5);
+  def flush(self, state, ints_5xB: np.ndarray, floats_2xB: np.ndarray):
+    """`state` (donated) after the queued copies and the slot loading (`step.load_slots`'
+    arrays): one `park_resume_load` call when each way fits the widest pass size, else all
+    the parks' calls, then the resumes', the loading in the last; `load_slots` alone when
+    nothing is queued."""
+    parks, resumes = self._parks, self._resumes
+    self._parks, self._resumes = [], []
+    if not parks and not resumes:
+      return compiled.load_slots_jit(state, ints_5xB, floats_2xB)
+    widest = self.pass_sizes(state.batch)[-1]
+    if len(parks) <= widest and len(resumes) <= widest:
+      calls = [(parks, resumes)]
+    else:
+      calls = ([(parks[i:i + widest], []) for i in range(0, len(parks), widest)] +
+               [([], resumes[i:i + widest]) for i in range(0, len(resumes), widest)])
+    unloaded = np.zeros_like(ints_5xB)  # LOAD_NEW unset: no slot changes
+    for k, (out, back) in enumerate(calls):
+      width = 1 << (max(len(out), len(back)) - 1).bit_length()
+      out = out or [(self.rows, 0)]  # slot 0 into the sink
+      back = back or [(out[0][1], self.rows)]  # the sink into a slot this call parks
+      last = k == len(calls) - 1
+      ints = step.pass_ints(_padded(out, width), _padded(back, width),
+                            ints_5xB if last else unloaded)
+      state, self.cache = compiled.park_resume_load_jit(state, self.cache, ints, floats_2xB)
+    return state
+
+  def warmup(self, state, reps: int = 0):
+    """Compiles `park_resume_load` at every pass size for a bucket's state shape
+    (`pass_sizes`). Returns the (donated) state back and, with `reps` > 0, what yields cost
+    (`YieldCost`; else None), timed on rows 0.. of both beyond a call that only loads slots:
+      - queued: 4 x `reps` calls dispatched back to back and waited for once, per call: what
+        a pass of yields adds to the device's queue in a rollout, where copies follow steps
+        without a wait. Passes of one yield and of `YieldCost.rows` (up to 4: a typical
+        pass in bench/schedsim.py's traces moves 3 to 5);
       - waited: the fastest pass of one yield waited for (adds a round trip to the host per
         pass, which a rollout never waits for)."""
-    batch = cache.batch
-    def round_trip(cache, n):
-      pairs = [(i, i) for i in range(n)]
-      self.cache = self._copies(self.cache, cache, pairs, batch)
-      return self._copies(cache, self.cache, pairs, batch)
+    batch = state.batch
+    ints, floats = np.zeros((5, batch), np.int32), np.ones((2, batch), np.float32)
+    def one_pass(state, n):
+      if n:
+        self.park([(i, _stand_in(-1 - i)) for i in range(n)])
+        self.resume([(i, -1 - i) for i in range(n)])
+      return self.flush(state, ints, floats)
 
-    for n in self.pass_sizes(batch):  # compiles
-      cache = jax.block_until_ready(round_trip(cache, n))
+    for n in [0, *self.pass_sizes(batch)]:  # compiles (a width past the rows, padded)
+      state = jax.block_until_ready(one_pass(state, min(n, self.rows)))
     if not reps:
-      return cache, None
-    waited = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      cache = jax.block_until_ready(round_trip(cache, 1))
-      waited.append(time.perf_counter() - t0)
+      return state, None
+    waited = {}
+    for n in (0, 1):
+      waited[n] = float("inf")
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(one_pass(state, n))
+        waited[n] = min(waited[n], time.perf_counter() - t0)
     queued = {}
     many = max(1, min(4, self.rows, batch))
-    for n in sorted({1, many}):
+    for n in sorted({0, 1, many}):
       t0 = time.perf_counter()
       for _ in range(4 * reps):
-        cache = round_trip(cache, n)
-      jax.block_until_ready(cache)
+        state = one_pass(state, n)
+      jax.block_until_ready(state)
       queued[n] = (time.perf_counter() - t0) / (4 * reps)
-    return cache, YieldCost(queued[1], min(waited), many, queued[many])
+    beyond = lambda t, n: max(0.0, t[n] - t[0])
+    return state, YieldCost(beyond(queued, 1), beyond(waited, 1), many, beyond(queued, many))
+
+
+def _stand_in(request_id: int):
+  """A record for warm-up's passes: what `ParkPool.park` reads of a `LiveRequest`."""
+  return types.SimpleNamespace(req=types.SimpleNamespace(request_id=request_id))
+
+
+def _padded(pairs: list[tuple[int, int]], width: int) -> np.ndarray:
+  """`pairs` as the (2, width) int32 index array of `kv_cache.copy_rows`, padded by repeating
+  the last pair (copying a row twice writes the same values)."""
+  return np.array(pairs + pairs[-1:] * (width - len(pairs)), np.int32).T
 
 
 class YieldRules:
@@ -233,13 +271,13 @@ def slots_to_yield(slots, queue, rules: YieldRules, every: int, room: int) -> li
   return out
 
 
-def park(pool: ParkPool, cache: KVCache, slots: list, marked: list[int], queue: list,
+def park(pool: ParkPool, slots: list, marked: list[int], queue: list,
          landing: list | None) -> None:
-  """Parks the requests of slots `marked`: KV row and record into the pool (the device copies
-  the row after every step already dispatched), slot freed. The request rejoins `queue` at
-  once, or, while a step holding it is in flight (`landing` given), its record waits in
-  `landing` for the engine to read that step."""
-  pool.park(cache, [(i, slots[i]) for i in marked])
+  """Parks the requests of slots `marked`: KV row (copied at the pass's `ParkPool.flush`,
+  after every step already dispatched) and record into the pool, slot freed. The request
+  rejoins `queue` at once, or, while a step holding it is in flight (`landing` given), its
+  record waits in `landing` for the engine to read that step."""
+  pool.park([(i, slots[i]) for i in marked])
   for i in marked:
     lv = slots[i]
     slots[i] = None

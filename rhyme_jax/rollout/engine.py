@@ -172,18 +172,18 @@ class RolloutEngine:
              resumed: dict[int, list] | None = None) -> step.DecodeState:
     """Prefills all but the last prompt token of each (slot, request); the last becomes the
     slot's root. A request in `resumed` ({request id: its tokens so far}) yielded its slot
-    earlier (divided rollout): its KV row comes back from the park pool instead (all of them in
-    one copy), and its last token is the root. Slot parameters are set for all admitted
-    requests in one call."""
-    if not admits:
+    earlier (divided rollout): its KV row comes back from the park pool instead, and its last
+    token is the root. Slot parameters are set for all admitted requests in one call, which
+    also makes the pass's row copies (`ParkPool.flush`: the rows of requests that yielded this
+    pass, before prefill writes to their slots, and the resumed ones)."""
+    pool = self._parked
+    if not admits and not (pool is not None and pool.due()):
       return state
     t0 = time.perf_counter()
-    c = self.config.prefill_chunk
-    cache = state.cache
     b = state.batch
     ints_5xB = np.zeros((5, b), np.int32)  # step.load_slots' rows: new, length, root, ...
     floats_2xB = np.ones((2, b), np.float32)  # temperature, top-p
-    back = []  # (slot, request id) of resumed requests
+    back, fresh = [], []  # (slot, request id) of resumed requests; (slot, prompt) prefills
     for slot, req in admits:
       prompt = np.asarray(req.prompt, np.int32)
       done = resumed.get(req.request_id) if resumed else None
@@ -191,21 +191,28 @@ class RolloutEngine:
         back.append((slot, req.request_id))
         cached, last = len(prompt) + len(done) - 1, done[-1]
       else:
+        fresh.append((slot, prompt))
         cached, last = len(prompt) - 1, prompt[-1]
-        for start in range(0, cached, c):
-          # (slot, start, chunk) as one numpy array: jit moves it with the call in one transfer
-          args = np.zeros(2 + c, np.int32)
-          piece = prompt[start:min(start + c, cached)]
-          args[:2] = slot, start
-          args[2:2 + len(piece)] = piece
-          cache = self._prefill_fn(self._leaves, cache, args)
-          self.stats.prefill_chunks += 1
       p = req.params
       ints_5xB[:, slot] = 1, cached, last, req.request_id, p.top_k
       floats_2xB[:, slot] = p.temperature, p.top_p
-    if back:
-      cache = self._parked.resume(cache, back)
-    state = compiled.load_slots_jit(state.replace(cache=cache), ints_5xB, floats_2xB)
+    if pool is not None:
+      pool.resume(back)
+      state = pool.flush(state, ints_5xB, floats_2xB)
+    else:
+      state = compiled.load_slots_jit(state, ints_5xB, floats_2xB)
+    c = self.config.prefill_chunk
+    cache = state.cache
+    for slot, prompt in fresh:
+      for start in range(0, len(prompt) - 1, c):
+        # (slot, start, chunk) as one numpy array: jit moves it with the call in one transfer
+        args = np.zeros(2 + c, np.int32)
+        piece = prompt[start:min(start + c, len(prompt) - 1)]
+        args[:2] = slot, start
+        args[2:2 + len(piece)] = piece
+        cache = self._prefill_fn(self._leaves, cache, args)
+        self.stats.prefill_chunks += 1
+    state = state.replace(cache=cache)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
     return state
 

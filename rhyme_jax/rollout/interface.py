@@ -157,7 +157,8 @@ class EngineConfig:
   attention: str = "xla"
   # Divided rollout (divided.py; used with an online admission order): a request is offered the
   # choice to yield its slot every `divide_every` tokens (0 = never), its KV kept in one of
-  # `park_rows` device rows (a compile-time size: memory of park_rows x cache_len positions).
+  # `park_rows` device rows (a compile-time size: memory of (park_rows + 1) x cache_len
+  # positions, the one more a sink for padded copies).
   divide_every: int = 0
   park_rows: int = 0
   # Warm-up compiles the buckets' shapes in this many threads (warmup.py; 0: one per bucket up

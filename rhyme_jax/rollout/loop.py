@@ -182,7 +182,7 @@ class Rollout:
                             self.pool.free_rows())
     if marked:
       self.rules.changed()
-    park(self.pool, self.state.cache, self.slots, marked, self.queue,
+    park(self.pool, self.slots, marked, self.queue,
          None if self.pending is None else self.landing)
     self.events[0] += len(marked)
     self.stats.yields += len(marked)

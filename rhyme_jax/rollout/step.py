@@ -146,6 +146,32 @@ def load_slots(state: DecodeState, ints_5xB: jax.Array, floats_2xB: jax.Array) -
       top_p_B=pick(floats_2xB[1], state.top_p_B), top_k_B=pick(ints_5xB[LOAD_TOP_K], state.top_k_B))
 
 
+def park_resume_load(state: DecodeState, pool: KVCache, ints_N: jax.Array, floats_2xB: jax.Array
+                     ) -> tuple[DecodeState, KVCache]:
+  """A pass of divided rollout in one call: the KV rows of requests that yield their slots go
+  into the park pool, parked rows come back into the slots of the requests that resume, and
+  `load_slots` points the admitted slots at their requests. In that order, so a slot a request
+  leaves is saved before another request's row is written into it. One dispatch and two
+  transfers, as slot loading alone makes, where three calls made three dispatches and four
+  transfers.
+
+  `ints_N` is `pass_ints`' one int32 array: the parks' (pool row, slot) pairs as a 2 x W
+  array, the resumes' (slot, pool row) pairs likewise, then load_slots' 5 x B (W static, a
+  pass size; kv_cache.copy_rows pads a pass by repeating a pair)."""
+  b = state.batch
+  w = (ints_N.shape[0] - 5 * b) // 4
+  park_2xW, resume_2xW = ints_N[:2 * w].reshape(2, w), ints_N[2 * w:4 * w].reshape(2, w)
+  pool = kv_cache.copy_rows(pool, state.cache, park_2xW)
+  cache = kv_cache.copy_rows(state.cache, pool, resume_2xW)
+  return load_slots(state.replace(cache=cache), ints_N[4 * w:].reshape(5, b), floats_2xB), pool
+
+
+def pass_ints(park_2xW: np.ndarray, resume_2xW: np.ndarray, ints_5xB: np.ndarray) -> np.ndarray:
+  """`park_resume_load`'s int32 argument (one host-to-device transfer)."""
+  return np.concatenate([park_2xW.ravel(), resume_2xW.ravel(), ints_5xB.ravel()]).astype(
+      np.int32)
+
+
 def regroup(state: DecodeState, slots_B: jax.Array) -> DecodeState:
   """A new state whose rows are `slots_B` of the old one (bucket change; B may differ)."""
   take = lambda x: x[slots_B]

@@ -61,8 +61,7 @@ def warm_up(engine, filters: bool = False) -> None:
     state = engine._admit(state, _DUMMY)
     if cfg.park_rows:
       timed = bucket == buckets[0]  # passes of yields' row copies, at the largest bucket
-      cache, cost = engine.park_pool().warmup(state.cache, TIMING_REPS if timed else 0)
-      state = state.replace(cache=cache)
+      state, cost = engine.park_pool().warmup(state, TIMING_REPS if timed else 0)
       if timed:
         engine.yield_cost = cost
     if bucket != buckets[-1]:  # the move out of this bucket: compiled, then timed

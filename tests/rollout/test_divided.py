@@ -205,24 +205,46 @@ def test_no_compilation_when_dividing_with_params_on_a_mesh(tiny_model):
   assert dict(TRACE_COUNTS) == before and eng.stats.yields > 0
 
 
-def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monkeypatch):
-  """Every request a pass yields is parked by one copy call, every parked request it admits
-  comes back by one more: copy calls are per pass, fewer than two per yield when passes yield
-  several (as the 4 requests admitted together do, each asked after 4 tokens)."""
+def _unpack(state, ints_N):
+  """`step.pass_ints`' array as (park_2xW, resume_2xW, ints_5xB)."""
+  b = state.batch
+  w = (len(ints_N) - 5 * b) // 4
+  return (ints_N[:2 * w].reshape(2, w), ints_N[2 * w:4 * w].reshape(2, w),
+          ints_N[4 * w:].reshape(5, b))
+
+
+def _real_pairs(state, ints_N, sink):
+  """The distinct (pool row, slot) parks and (slot, pool row) resumes of one
+  `park_resume_load` call, less its padding (copies to or from the pool's sink row)."""
+  park_2xW, resume_2xW, _ = _unpack(state, ints_N)
+  parks = {(int(r), int(s)) for r, s in zip(*park_2xW) if r != sink}
+  resumes = {(int(s), int(r)) for s, r in zip(*resume_2xW) if r != sink}
+  return parks, resumes
+
+
+def test_a_pass_makes_its_copies_and_slot_loading_in_one_call(tiny_model, monkeypatch):
+  """Every request a pass yields is parked, and every parked request it admits comes back, in
+  the one call that loads the pass's admitted slots: one call per pass that moves rows, fewer
+  than one per yield when passes yield several (as the 4 requests admitted together do, each
+  asked after 4 tokens)."""
   from rhyme_jax.rollout import compiled
   calls = []
-  real = compiled.copy_rows_jit
-  monkeypatch.setattr(compiled, "copy_rows_jit",
-                      lambda dst, src, rows: (calls.append(len(set(zip(*rows.tolist())))),
-                                              real(dst, src, rows))[1])
+  real = compiled.park_resume_load_jit
+  monkeypatch.setattr(compiled, "park_resume_load_jit",
+                      lambda state, pool, ints, floats: (
+                          calls.append(_real_pairs(state, ints, pool.batch - 1)),
+                          real(state, pool, ints, floats))[1])
   base = engine(tiny_model).generate(requests())
   eng = engine(tiny_model, divide_every=4, park_rows=3)
   calls.clear()
   _same(base, eng.generate(requests(), admission=FewestTokensFirst()))
   st = eng.stats
-  assert sum(calls) == 2 * st.yields  # every yield's row out and back (none ended in flight)
-  assert st.yield_passes < st.yields and len(calls) < 2 * st.yields
-  assert max(calls) > 1
+  parks = [len(p) for p, _ in calls]
+  resumes = [len(r) for _, r in calls]
+  # every yield's row out and back (none ended in flight), each pass's parks in one call
+  assert sum(parks) == sum(resumes) == st.yields
+  assert sum(n > 0 for n in parks) == st.yield_passes < st.yields and max(parks) > 1
+  assert len(calls) < st.yield_passes + sum(n > 0 for n in resumes)  # some calls move both
   # The timeline: one entry per step, in order, each with what was dispatched before it;
   # together they count every yield, every request prefilled once and every resumption.
   times = [t for t, *_ in st.timeline]
@@ -238,35 +260,79 @@ def test_a_pass_parks_and_resumes_its_requests_in_one_copy_each(tiny_model, monk
   assert cost.fixed >= 0 and cost.per_row >= 0
 
 
-def test_park_pool_moves_a_large_pass_in_calls_of_at_most_max_pass_rows(tiny_model, monkeypatch):
-  """11 rows parked at once take two calls (8, then 3 padded to 4); resumed into other slots,
-  each slot holds the KV row its request had. Widths are the compiled pass sizes."""
-  import jax
+def _random_state(cfg, batch, cache_len, seed=0):
+  import jax.numpy as jnp
   from rhyme_jax.models.attention import KVCache
+  from rhyme_jax.rollout.step import DecodeState
+  rng = np.random.default_rng(seed)
+  shape = KVCache.zeros(cfg, batch, cache_len).k_LxBxSxKxH.shape
+  return DecodeState.empty(KVCache(jnp.asarray(rng.normal(size=shape), jnp.float32),
+                                   jnp.asarray(rng.normal(size=shape), jnp.float32)))
+
+
+def _loads(batch, slots):
+  """load_slots' arrays pointing `slots` at requests 500 + slot with cached length 7."""
+  ints, floats = np.zeros((5, batch), np.int32), np.ones((2, batch), np.float32)
+  for s in slots:
+    ints[:, s] = 1, 7, 1, 500 + s, 0
+  return ints, floats
+
+
+def test_park_pool_moves_a_large_pass_in_calls_of_at_most_max_pass_rows(tiny_model, monkeypatch):
+  """11 rows parked and resumed in one pass take four calls: the parks (8, then 3 padded to
+  4), then the resumes (the same); resumed into other slots, each slot holds the KV row its
+  request had, and only the last call loads slots. Widths are the compiled pass sizes."""
   from rhyme_jax.rollout import compiled, divided
   from rhyme_jax.rollout.live import LiveRequest
   cfg = tiny_model.cfg
   pool = divided.ParkPool(cfg, 12, 8, lambda t: t)
   assert pool.pass_sizes(12) == [1, 2, 4, 8] and pool.pass_sizes(3) == [1, 2, 4]
-  rng = np.random.default_rng(0)
-  shape = KVCache.zeros(cfg, 12, 8).k_LxBxSxKxH.shape
-  cache = KVCache(jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32),
-                  jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32))
-  before = np.array(cache.k_LxBxSxKxH)
-  widths = []
-  real = compiled.copy_rows_jit
-  monkeypatch.setattr(compiled, "copy_rows_jit",
-                      lambda dst, src, rows: (widths.append(rows.shape[1]),
-                                              real(dst, src, rows))[1])
-  pool.park(cache, [(s, LiveRequest(Request(100 + s, [0]))) for s in range(11)])
-  assert widths == [8, 4] and pool.free_rows() == 1
-  target = KVCache.zeros(cfg, 12, 8)
-  target = pool.resume(target, [((s + 1) % 12, 100 + s) for s in range(11)])
-  assert widths == [8, 4, 8, 4] and pool.free_rows() == 12
-  after = np.array(target.k_LxBxSxKxH)
+  state = _random_state(cfg, 12, 8)
+  before = np.array(state.cache.k_LxBxSxKxH)
+  widths, loaded = [], []
+  real = compiled.park_resume_load_jit
+  monkeypatch.setattr(compiled, "park_resume_load_jit",
+                      lambda state, pool_, ints, floats: (
+                          widths.append(tuple(a.shape[1] for a in _unpack(state, ints)[:2])),
+                          loaded.append(int(_unpack(state, ints)[2][0].sum())),
+                          real(state, pool_, ints, floats))[2])
+  pool.park([(s, LiveRequest(Request(100 + s, [0]))) for s in range(11)])
+  assert pool.free_rows() == 1 and pool.due() and not widths  # the copies wait for flush
+  pool.resume([((s + 1) % 12, 100 + s) for s in range(11)])
+  state = pool.flush(state, *_loads(12, [3]))
+  assert widths == [(8, 8), (4, 4), (8, 8), (4, 4)] and loaded == [0, 0, 0, 1]
+  assert pool.free_rows() == 12 and not pool.due()
+  after = np.array(state.cache.k_LxBxSxKxH)
   for s in range(11):
     np.testing.assert_array_equal(after[:, (s + 1) % 12], before[:, s])
-  np.testing.assert_array_equal(after[:, 0], 0)  # slot 0 got nothing (no request 111)
+  assert np.asarray(state.length_B).tolist() == [7 if s == 3 else 0 for s in range(12)]
+
+
+def test_a_slot_parked_and_refilled_in_one_pass_keeps_both_rows(tiny_model):
+  """A pass that parks slot 2's request and resumes another parked request into slot 2 makes
+  one call: the leaving row is saved before the returning one is written. A pass that only
+  parks, or only resumes, pads the other way with copies nobody reads."""
+  from rhyme_jax.rollout import divided
+  from rhyme_jax.rollout.live import LiveRequest
+  cfg = tiny_model.cfg
+  pool = divided.ParkPool(cfg, 4, 8, lambda t: t)
+  state = _random_state(cfg, 4, 8, seed=1)
+  rows = np.array(state.cache.k_LxBxSxKxH)
+  pool.park([(0, LiveRequest(Request(10, [0])))])  # only parks: slot 0's row saved
+  state = pool.flush(state, *_loads(4, []))
+  pool.park([(2, LiveRequest(Request(12, [0])))])
+  pool.resume([(2, 10)])  # request 10's row back, into the slot request 12 leaves
+  state = pool.flush(state, *_loads(4, [2]))
+  after = np.array(state.cache.k_LxBxSxKxH)
+  np.testing.assert_array_equal(after[:, 2], rows[:, 0])
+  np.testing.assert_array_equal(after[:, 1], rows[:, 1])  # untouched
+  np.testing.assert_array_equal(after[:, 3], rows[:, 3])
+  pool.resume([(3, 12)])  # only resumes: request 12's row, from before the second pass
+  state = pool.flush(state, *_loads(4, []))
+  after = np.array(state.cache.k_LxBxSxKxH)
+  np.testing.assert_array_equal(after[:, 3], rows[:, 2])
+  np.testing.assert_array_equal(after[:, 2], rows[:, 0])
+  assert pool.free_rows() == 4 and pool.record(10) is None
 
 
 def test_host_time_is_split_by_part(tiny_model):

@@ -1,4 +1,4 @@
-"""KV-cache row moves (rollout/kv_cache.py): divided rollout's batched row copies."""
+"""KV-cache row moves (rollout/kv_cache.py) and divided rollout's pass call that makes them."""
 
 import jax
 import numpy as np
@@ -7,9 +7,9 @@ from rhyme_jax.models.attention import KVCache
 from rhyme_jax.rollout import compiled, kv_cache
 
 
-def _cache(rows, seed):
+def _cache(rows, seed, positions=5, head_dim=3):
   rng = np.random.default_rng(seed)
-  shape = (2, rows, 5, 2, 3)  # L x B x S x K x H
+  shape = (2, rows, positions, 2, head_dim)  # L x B x S x K x H
   return KVCache(jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32),
                  jax.numpy.asarray(rng.normal(size=shape), jax.numpy.float32))
 
@@ -29,20 +29,36 @@ def test_copy_rows_moves_the_listed_rows_and_nothing_else():
   np.testing.assert_array_equal(out.v_LxBxSxKxH, want_v)
 
 
-def test_copy_rows_compiles_once_per_size_and_moves_only_its_rows():
-  """Another pass of the same size, other rows, reuses the compilation; XLA's cost analysis
-  of a pass of K rows counts about K rows read and K written, not the caches (in place)."""
-  dst, src = _cache(6, 2), _cache(6, 3)
-  out = compiled.copy_rows_jit(dst, src, np.array([[0, 1], [5, 4]], np.int32))
-  traces = compiled.TRACE_COUNTS["copy_rows"]
-  out = compiled.copy_rows_jit(out, src, np.array([[2, 3], [3, 0]], np.int32))
-  assert compiled.TRACE_COUNTS["copy_rows"] == traces
-  np.testing.assert_array_equal(np.array(out.k_LxBxSxKxH)[:, 2], np.array(src.k_LxBxSxKxH)[:, 3])
-  np.testing.assert_array_equal(np.array(out.k_LxBxSxKxH)[:, 1], np.array(src.k_LxBxSxKxH)[:, 4])
-  row_bytes = 2 * np.array(src.k_LxBxSxKxH)[:, 0].nbytes  # K and V
-  big_dst, big_src = _cache(64, 4), _cache(64, 5)
+def test_a_pass_call_compiles_once_per_width_and_moves_only_its_rows():
+  """divided rollout's pass call (`step.park_resume_load`): another pass of the same width,
+  other rows, reuses the compilation; parks read the old rows before resumes overwrite them;
+  XLA's cost analysis of a pass of K rows each way counts about K rows read and K written per
+  way, not the caches (both updated in place)."""
+  from rhyme_jax.rollout.step import DecodeState, pass_ints
+  state, pool = DecodeState.empty(_cache(6, 2)), _cache(4, 3)
+  old_cache, old_pool = np.array(state.cache.k_LxBxSxKxH), np.array(pool.k_LxBxSxKxH)
+  ints, floats = np.zeros((5, 6), np.int32), np.ones((2, 6), np.float32)
+  # slot 5 out to pool row 0 while pool row 3 comes back into slot 5; slot 1 out to row 1
+  state, pool = compiled.park_resume_load_jit(
+      state, pool, pass_ints(np.array([[0, 1], [5, 1]]), np.array([[5, 5], [3, 3]]), ints),
+      floats)
+  traces = compiled.TRACE_COUNTS["park_resume_load"]
+  got_cache, got_pool = np.array(state.cache.k_LxBxSxKxH), np.array(pool.k_LxBxSxKxH)
+  np.testing.assert_array_equal(got_pool[:, 0], old_cache[:, 5])
+  np.testing.assert_array_equal(got_pool[:, 1], old_cache[:, 1])
+  np.testing.assert_array_equal(got_cache[:, 5], old_pool[:, 3])
+  np.testing.assert_array_equal(np.delete(got_cache, 5, axis=1), np.delete(old_cache, 5, axis=1))
+  state, pool = compiled.park_resume_load_jit(
+      state, pool, pass_ints(np.array([[2, 3], [0, 4]]), np.array([[0, 1], [2, 2]]), ints),
+      floats)
+  assert compiled.TRACE_COUNTS["park_resume_load"] == traces
+  big = DecodeState.empty(_cache(64, 4, positions=64, head_dim=8))  # 16 KiB rows, 1 MiB caches
+  big_pool = _cache(64, 5, positions=64, head_dim=8)
+  row_bytes = 2 * np.array(big_pool.k_LxBxSxKxH)[:, 0].nbytes  # K and V
+  ints, floats = np.zeros((5, 64), np.int32), np.ones((2, 64), np.float32)
   for k in (1, 4):
     rows = np.tile(np.arange(k, dtype=np.int32), (2, 1))
-    cost = compiled.copy_rows_jit.lower(big_dst, big_src, rows).compile().cost_analysis()
+    cost = compiled.park_resume_load_jit.lower(big, big_pool, pass_ints(rows, rows, ints),
+                                               floats).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    assert cost["bytes accessed"] <= 2 * k * row_bytes * 1.01 + 1024
+    assert cost["bytes accessed"] <= 4 * k * row_bytes * 1.01 + 16384  # + the slot vectors

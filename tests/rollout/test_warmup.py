@@ -36,7 +36,7 @@ def test_threaded_warmup_compiles_what_a_serial_one_does():
                   for i, p in enumerate(mixed_prompts(7, 64, seed=3))])
     assert dict(TRACE_COUNTS) == before, f"a rollout compiled after warm-up in {threads} threads"
   assert traced[2] == traced[1] and traced[1]["step"] == 2 * 2 * 2  # buckets x shapes x kv
-  assert traced[1]["copy_rows"] > 0 and traced[1]["regroup"] == 1
+  assert traced[1]["park_resume_load"] > 0 and traced[1]["regroup"] == 1
 
 
 def test_compile_threads_must_not_be_negative():
