@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU figures of rollout scheduling and multi-step launches, in one go (~14 min on 1 x H100):
+# GPU figures of rollout scheduling, shared prompt prefill and multi-step launches, in one go
+# (~15 min on 1 x H100):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
@@ -14,20 +15,22 @@
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
 #    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
-# 3. step 1 on the other prompt sets of OFFSETS, then at 1 step per launch on prompts 0-15
+# 3. bench/prefill_share.py, 8 GSM8K prompts x G=8 in 64 slots, 256 new tokens: a group's
+#    prompt prefilled once and copied to its samples against a prefill per request (~1 min).
+# 4. step 1 on the other prompt sets of OFFSETS, then at 1 step per launch on prompts 0-15
 #    (~3 min each; these were measured on 2026-11-27 and are re-checks).
-# A lease's call runs at most 10 minutes, about steps 1-2 and one run of step 3: SKIP_ENGINE=1
-# runs step 2 (and the host benches) without the others, in a call of its own.
+# A lease's call runs at most 10 minutes, about steps 1-3: SKIP_ENGINE=1 runs steps 2-3 (and
+# the host benches) without the others, in a call of its own.
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
-# 4. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
+# 5. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
 #    which host calls (dispatches, copies, the order's work) take a GPU host's time.
-# 5. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
+# 6. bench/engine_overhead.py at B=32, float32: the launch and the engine's time per decode
 #    step, one plain step per compiled call against MULTI_STEP.
-# 6. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
+# 7. bench/divided_host.py at 1 and MULTI_STEP steps per launch: the engine's host time per
 #    pass with a tiny model (device work negligible), on this machine's host; against the same
 #    bench's CPU rows it says whether a GPU host pays more per pass for the same work.
-# 7. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
+# 8. bench/engine_overhead.py at B=32 again, sampling with top-p 0.95: sampling's filters put
 #    one conditional in every step, which XLA:GPU resolves by reading its predicate back to the
 #    host mid-call; a bare dispatch near the step's device time shows that sync.
 # Each bench appends its table to bench/RESULTS.md; their logs go to $OUT, and a copy of
@@ -66,6 +69,9 @@ fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
   --max_new_tokens 256 --multi_step "$K" --compile_threads 8 --note "$NOTE" 2>&1 |
   tee "$OUT/bucket_moves.log"
+keep
+python bench/prefill_share.py --model "$MODEL" --num_prompts 8 --group_size 8 \
+  --max_new_tokens 256 --note "$NOTE"
 keep
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
   for off in "${offsets[@]:1}"; do

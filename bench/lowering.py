@@ -76,6 +76,9 @@ def programs(engine) -> dict:
                                                  np.ones((2, BUCKET), np.float32)), {}),
       "bucket move": (compiled.regroup_jit, (state, np.arange(2, dtype=np.int32)), {}),
       "row copies (divided rollout)": row_copies(compiled, state),
+      **({"prompt copies (admission)": (compiled.copy_within_jit,
+                                        (state.cache, np.zeros((2, 2), np.int32)), {})}
+         if hasattr(compiled, "copy_within_jit") else {}),
   }
 
 

@@ -9,7 +9,7 @@ the ways `ParkPool.warmup` does:
   - waited: the fastest single pass waited for (adds the host round trip);
   - a pass of 4 yields, queued (the engine makes a pass's parks and resumes in one call with
     its slot loading, `step.park_resume_load`), per yield: what batching the copies saves.
-Each beyond a call that only loads slots (which admission makes anyway).
+Each call also carries the pass's slot loading.
 The copies update the pool and the batch in place (both donated); the time should not grow
 with the pool's rows (it would if XLA copied a whole cache). Needs no weights: caches of
 zeros with SmolLM2-135M's KV shape (30 layers x 3 KV heads x 64), float32.

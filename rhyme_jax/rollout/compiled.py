@@ -12,7 +12,7 @@ import threading
 
 import jax
 
-from rhyme_jax.rollout import accept, step
+from rhyme_jax.rollout import accept, kv_cache, step
 
 
 # Compiled once per process, model structure and shape (`_model_fns` below), so engines over
@@ -69,3 +69,6 @@ regroup_jit = jax.jit(counted("regroup", step.regroup))
 # Divided rollout: a pass's parks, resumes and slot loading in one call (state and pool donated).
 park_resume_load_jit = jax.jit(counted("park_resume_load", step.park_resume_load),
                                donate_argnums=(0, 1))
+
+# Admission: a prompt's prefilled KV row copied into its siblings' slots, a pass's in one call.
+copy_within_jit = jax.jit(counted("copy_within", kv_cache.copy_rows_within), donate_argnums=(0,))

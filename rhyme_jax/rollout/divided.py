@@ -48,8 +48,8 @@ class YieldCost:
 
   A pass of the engine parks every request it yields and resumes every parked request it
   admits in the call that loads its admitted slots (`ParkPool.flush`), so a pass of n yields
-  costs about `pass_seconds(n)` = fixed + n x per_row beyond the slot loading it makes anyway:
-  the fixed part (a wider call's launch and index transfer) once per pass, the per-row part
+  costs about `pass_seconds(n)` = fixed + n x per_row: the fixed part (the call's launch and
+  index transfer, which slot loading alone would mostly pay too) once per pass, the per-row part
   (bytes) once per yield."""
 
   one: float  # a pass of one yield (its two copies), queued as a rollout dispatches them
@@ -171,7 +171,8 @@ class ParkPool:
   def warmup(self, state, reps: int = 0):
     """Compiles `park_resume_load` at every pass size for a bucket's state shape
     (`pass_sizes`). Returns the (donated) state back and, with `reps` > 0, what yields cost
-    (`YieldCost`; else None), timed on rows 0.. of both beyond a call that only loads slots:
+    (`YieldCost`; else None), timed on rows 0.. of both, each call carrying the slot loading
+    a pass makes with its copies (its launch is the part a yield pass would pay anyway):
       - queued: 4 x `reps` calls dispatched back to back and waited for once, per call: what
         a pass of yields adds to the device's queue in a rollout, where copies follow steps
         without a wait. Passes of one yield and of `YieldCost.rows` (up to 4: a typical
@@ -190,23 +191,20 @@ class ParkPool:
       state = jax.block_until_ready(one_pass(state, min(n, self.rows)))
     if not reps:
       return state, None
-    waited = {}
-    for n in (0, 1):
-      waited[n] = float("inf")
-      for _ in range(reps):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(one_pass(state, n))
-        waited[n] = min(waited[n], time.perf_counter() - t0)
+    waited = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(one_pass(state, 1))
+      waited.append(time.perf_counter() - t0)
     queued = {}
     many = max(1, min(4, self.rows, batch))
-    for n in sorted({0, 1, many}):
+    for n in sorted({1, many}):
       t0 = time.perf_counter()
       for _ in range(4 * reps):
         state = one_pass(state, n)
       jax.block_until_ready(state)
       queued[n] = (time.perf_counter() - t0) / (4 * reps)
-    beyond = lambda t, n: max(0.0, t[n] - t[0])
-    return state, YieldCost(beyond(queued, 1), beyond(waited, 1), many, beyond(queued, many))
+    return state, YieldCost(queued[1], min(waited), many, queued[many])
 
 
 def _stand_in(request_id: int):

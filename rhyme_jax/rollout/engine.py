@@ -18,7 +18,8 @@ request runs, never what it samples. The engine is the narrow interface the trai
 `generate(requests, admission=None) -> results` and `update_params(model)`. It owns what
 outlives a rollout (compiled functions, params, the cost model, the drafter) and the decisions
 made per step (admission's prefill, whether and what to draft); one rollout's loop and state
-are loop.Rollout's.
+are loop.Rollout's. Admission prefills a GRPO group's prompt once: the group's other samples
+get a copy of that KV row (bench/prefill_share.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-expo
     DRAFT_MODES, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
 from rhyme_jax.rollout.live import tree_depths
 
+
+# The most prompt copies one call makes (`RolloutEngine._admit`); a larger pass takes several.
+MAX_SHARED = 8
+
+
+def _holders(slots: list, fresh: set[int]) -> dict:
+  """{group id: (slot, request)} of the requests in `slots` whose rows hold their prompt's KV
+  before this pass prefills (every occupant but the fresh ones, slots in `fresh`)."""
+  out = {}
+  for i, lv in enumerate(slots):
+    if lv is not None and i not in fresh:
+      out.setdefault(lv.req.group_id, (i, lv.req))
+  return out
 
 class RolloutEngine:
   """Generates responses for many requests; see the module docstring."""
@@ -169,13 +183,20 @@ class RolloutEngine:
   # ---- request handling ------------------------------------------------------------------------
 
   def _admit(self, state: step.DecodeState, admits: list[tuple[int, Request]],
-             resumed: dict[int, list] | None = None) -> step.DecodeState:
+             resumed: dict[int, list] | None = None, slots: list | None = None
+             ) -> step.DecodeState:
     """Prefills all but the last prompt token of each (slot, request); the last becomes the
     slot's root. A request in `resumed` ({request id: its tokens so far}) yielded its slot
     earlier (divided rollout): its KV row comes back from the park pool instead, and its last
     token is the root. Slot parameters are set for all admitted requests in one call, which
     also makes the pass's row copies (`ParkPool.flush`: the rows of requests that yielded this
-    pass, before prefill writes to their slots, and the resumed ones)."""
+    pass, before prefill writes to their slots, and the resumed ones).
+
+    A fresh request whose prompt another request of `slots` (the slots' `LiveRequest`s after
+    this admission) holds, running, resumed or prefilled first in this pass, gets a copy of
+    that row instead of its own prefill (`kv_cache.copy_rows_within`, a pass's copies in one
+    call): GRPO samples G requests per prompt, and the prompt's KV is the same computation
+    for each, so what is sampled does not change."""
     pool = self._parked
     if not admits and not (pool is not None and pool.due()):
       return state
@@ -183,7 +204,7 @@ class RolloutEngine:
     b = state.batch
     ints_5xB = np.zeros((5, b), np.int32)  # step.load_slots' rows: new, length, root, ...
     floats_2xB = np.ones((2, b), np.float32)  # temperature, top-p
-    back, fresh = [], []  # (slot, request id) of resumed requests; (slot, prompt) prefills
+    back, fresh = [], []  # (slot, request id) of resumed requests; (slot, prompt, request)
     for slot, req in admits:
       prompt = np.asarray(req.prompt, np.int32)
       done = resumed.get(req.request_id) if resumed else None
@@ -191,7 +212,7 @@ class RolloutEngine:
         back.append((slot, req.request_id))
         cached, last = len(prompt) + len(done) - 1, done[-1]
       else:
-        fresh.append((slot, prompt))
+        fresh.append((slot, prompt, req))
         cached, last = len(prompt) - 1, prompt[-1]
       p = req.params
       ints_5xB[:, slot] = 1, cached, last, req.request_id, p.top_k
@@ -203,7 +224,14 @@ class RolloutEngine:
       state = compiled.load_slots_jit(state, ints_5xB, floats_2xB)
     c = self.config.prefill_chunk
     cache = state.cache
-    for slot, prompt in fresh:
+    holders = _holders(slots, {slot for slot, _, _ in fresh}) if fresh and slots else {}
+    copies = []  # (slot, slot whose row holds the same prompt)
+    for slot, prompt, req in fresh:
+      held = holders.get(req.group_id)
+      if held is not None and np.array_equal(np.asarray(held[1].prompt), prompt):
+        copies.append((slot, held[0]))
+        continue
+      holders[req.group_id] = (slot, req)
       for start in range(0, len(prompt) - 1, c):
         # (slot, start, chunk) as one numpy array: jit moves it with the call in one transfer
         args = np.zeros(2 + c, np.int32)
@@ -212,9 +240,20 @@ class RolloutEngine:
         args[2:2 + len(piece)] = piece
         cache = self._prefill_fn(self._leaves, cache, args)
         self.stats.prefill_chunks += 1
+    for at in range(0, len(copies), MAX_SHARED):
+      part = copies[at:at + MAX_SHARED]
+      part += part[-1:] * ((1 << (len(part) - 1).bit_length()) - len(part))  # a compiled width
+      cache = compiled.copy_within_jit(cache, np.array(part, np.int32).T)
+    self.stats.prefill_shared += len(copies)
     state = state.replace(cache=cache)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
     return state
+
+  def shared_sizes(self, bucket: int) -> list[int]:
+    """Widths of the prompt copies' calls a bucket compiles: powers of two up to the first
+    that holds min(bucket - 1, MAX_SHARED) (at least one slot holds the source)."""
+    most = min(bucket - 1, MAX_SHARED)
+    return [1 << k for k in range((most - 1).bit_length() + 1)] if most > 0 else []
 
   # ---- the loop --------------------------------------------------------------------------------
 

@@ -242,6 +242,7 @@ class EngineStats:
   spec_steps: int = 0  # of which speculative
   asked_steps: int = 0  # steps that asked for drafts (speculative, or plain after drafting)
   prefill_chunks: int = 0
+  prefill_shared: int = 0  # requests given a copy of a sibling's prompt KV instead of prefill
   prefill_time_s: float = 0.0  # admitting requests: prompt prefill and slot loading
   tokens: int = 0  # response tokens emitted
   useful_slot_steps: int = 0

@@ -59,3 +59,15 @@ def copy_rows(dst: KVCache, src: KVCache, rows: jax.Array) -> KVCache:
   for i in range(rows.shape[1]):
     dst = write_slot(dst, rows[0, i], read_slot(src, rows[1, i]))
   return dst
+
+
+def copy_rows_within(cache: KVCache, rows: jax.Array) -> KVCache:
+  """`cache` with its row rows[1, i] written into row rows[0, i], for each (static) column of
+  the int32 `rows` (shape (2, pairs)), in order: a prompt's KV, prefilled once, into the slots
+  of the other requests with that prompt (a GRPO group's samples). Each read is of the cache
+  as written so far, so the update stays in place; no source is a destination (a repeated
+  pair, which pads a call to a compiled size, writes the same values again)."""
+  rows = jnp.asarray(rows, jnp.int32)
+  for i in range(rows.shape[1]):
+    cache = write_slot(cache, rows[0, i], read_slot(cache, rows[1, i]))
+  return cache

@@ -216,7 +216,7 @@ class Rollout:
         slots[i] = lv
         if self.tracking:
           self.live_len[req.request_id] = len(lv.tokens)
-    self.state = self.engine._admit(self.state, admits, resumed)
+    self.state = self.engine._admit(self.state, admits, resumed, slots)
     self.events[1] += len(admits) - len(resumed)
     self.events[2] += len(resumed)
     self.untimed = self.untimed or bool(admits)

@@ -3,9 +3,9 @@
 A rollout must never compile (static shapes, compiled once), so before the first one the engine
 calls each step function once per (bucket, packed size, tokens per row, cache length) and each
 multi-step launch (`EngineConfig.multi_step`) per (bucket, cache length), the prefill, slot
-loading, the park pool's copies and each bucket move, and times every step shape to seed its
-cost model (`CostModel.observe_time(..., warmup=True)`) and each bucket move
-(`RolloutEngine.move_seconds`, which the cost model weighs before moving).
+loading, prompt copies between slots, the park pool's copies and each bucket move, and times
+every step shape to seed its cost model (`CostModel.observe_time(..., warmup=True)`) and each
+bucket move (`RolloutEngine.move_seconds`, which the cost model weighs before moving).
 
 Compiling dominates (about 70% of a SmolLM2-135M warm-up on the CPU is XLA's backend compile)
 and XLA compiles without holding the GIL, so with more than one compile thread
@@ -30,8 +30,9 @@ import os
 import time
 
 import jax
+import numpy as np
 
-from rhyme_jax.rollout import accept
+from rhyme_jax.rollout import accept, compiled
 from rhyme_jax.rollout.interface import Request
 from rhyme_jax.rollout.sampling import SamplingParams
 
@@ -55,7 +56,7 @@ def warm_up(engine, filters: bool = False) -> None:
     # (their placement may differ from a fresh one's on a multi-device mesh). Compiled first
     # (two calls each), then timed: the fastest of TIMING_REPS calls, as a first call after
     # other shapes can be several times slower than the step itself.
-    state = engine._admit(engine._new_state(bucket), _DUMMY)
+    state = _shared_copies(engine, engine._admit(engine._new_state(bucket), _DUMMY))
     for reps in (0, TIMING_REPS):
       state = _step_shapes(engine, state, bucket, filters, reps)
     state = engine._admit(state, _DUMMY)
@@ -90,12 +91,22 @@ def compile_bucket(engine, bucket: int, filters: bool) -> None:
   buckets can compile in parallel threads. All but the park pool's row copies: they compile in
   a moment, and a pool per thread would hold park_rows x cache_len more KV per thread."""
   cfg = engine.config
-  state = engine._admit(engine._new_state(bucket), _DUMMY)
+  state = _shared_copies(engine, engine._admit(engine._new_state(bucket), _DUMMY))
   state = _step_shapes(engine, state, bucket, filters, reps=0)
   state = engine._admit(state, _DUMMY)
   if bucket != min(cfg.buckets):
     state, _ = engine._shrink(state, bucket, list(range(bucket)))
   jax.block_until_ready(state)
+
+
+def _shared_copies(engine, state):
+  """Compiles the prompt copies admission makes (`RolloutEngine.shared_sizes` widths) for
+  `state`'s bucket, copying slot 0's row into the others (warm-up's rows hold nothing)."""
+  cache = state.cache
+  for w in engine.shared_sizes(state.batch):
+    rows = np.array([[1 + i % (state.batch - 1) for i in range(w)], [0] * w], np.int32)
+    cache = compiled.copy_within_jit(cache, rows)
+  return state.replace(cache=cache)
 
 
 def _step_shapes(engine, state, bucket: int, filters: bool, reps: int):

@@ -43,7 +43,7 @@ def flows(engine):
 
 def test_every_rollout_call_is_lowered(flows):
   names = {name for name, _ in flows}
-  assert len(names) == 10 and any(name.startswith("speculative step (T=5)") for name in names)
+  assert len(names) == 11 and any(name.startswith("speculative step (T=5)") for name in names)
 
 
 def test_decode_steps_lower_without_loops_or_conditionals(flows):
@@ -54,11 +54,12 @@ def test_decode_steps_lower_without_loops_or_conditionals(flows):
 
 
 def test_admission_and_copies_lower_without_loops_or_conditionals(flows):
-  """Prefill, slot loading, bucket moves and divided rollout's row copies."""
+  """Prefill, slot loading, bucket moves, divided rollout's row copies and the prompt copies
+  between a group's slots."""
   calls = {k: v for k, v in flows.items()
            if k[0] in ("prefill chunk", "slot loading", "bucket move",
-                       "row copies (divided rollout)")}
-  assert len(calls) == 8 and all(v == NONE for v in calls.values()), calls
+                       "row copies (divided rollout)", "prompt copies (admission)")}
+  assert len(calls) == 10 and all(v == NONE for v in calls.values()), calls
 
 
 def test_filtered_sampling_has_only_its_fallback_conditional(flows):
