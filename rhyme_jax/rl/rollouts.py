@@ -39,20 +39,22 @@ from rhyme_jax.scheduling.simulate import tail_time
 # Engine counters summed over a step's rollout rounds.
 _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked_steps",
                     "drafted", "accepted", "draft_time_s", "lookahead_time_s", "ahead_hits",
-                    "ahead_misses", "yields", "yield_passes", "bucket_moves", "moves_held")
+                    "ahead_misses", "yields", "yield_passes", "bucket_moves", "moves_held",
+                    "prefill_chunks", "prefill_shared")
 
 # Metrics (key prefixes) that two runs of the same flags may log differently: wall times, and
 # what the engine chose from measured times. With `--speculate=auto` the cost model decides
 # from step times whether and how far to draft (so forwards, acceptance and the share of
 # speculative or asking steps move), divided rollout weighs a yield by its timed copies
-# (so yields move), and the tail's bucket moves weigh timed moves against timed steps. What is
+# (so yields move, and with them which siblings' rows a prompt's prefill can be copied from),
+# and the tail's bucket moves weigh timed moves against timed steps. What is
 # sampled does not move (rollout/tokens_crc32), nor rewards, lengths, data or updates: a
 # resumed run is compared with an uninterrupted one on everything else.
 TIMING_DEPENDENT_METRICS = (
     "time/", "rollout/tokens_per_s", "rollout/forwards_per_token",
     "rollout/mean_accepted_length", "rollout/ahead_hit_rate", "rollout/spec_step_frac",
     "rollout/draft_accept_rate", "rollout/yields", "rollout/yield_passes",
-    "rollout/bucket_moves", "rollout/moves_held",
+    "rollout/bucket_moves", "rollout/moves_held", "rollout/prefill_",
     "epoch/accepted_length", "epoch/hit_rate", "epoch/drafted_per_step",
     "epoch/spec_step_frac", "epoch/asked_step_frac")
 
@@ -258,6 +260,10 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   # The tail's moves into smaller buckets, and passes the cost model kept the rows in theirs
   m["rollout/bucket_moves"] = stats.get("bucket_moves", 0)
   m["rollout/moves_held"] = stats.get("moves_held", 0)
+  # Requests given a copy of a sibling's prompt KV instead of a prefill, and prefill calls made
+  # (which siblings are live at an admission moves with yields, so with timing)
+  m["rollout/prefill_shared"] = stats.get("prefill_shared", 0)
+  m["rollout/prefill_calls"] = stats.get("prefill_chunks", 0)
   m["time/rollout"] = stats["time/rollout"]
   # Wall time from the rollout's start to its last response, and to finish its last 10%
   # (summed over a step's rounds): what the admission order (--schedule) acts on.

@@ -159,12 +159,12 @@ def test_metrics_that_move_with_timing_are_the_listed_ones():
   a = {"tokens": 3, "useful_slot_steps": 3, "steps": 3, "spec_steps": 0, "asked_steps": 0,
        "drafted": 0, "accepted": 0, "draft_time_s": 0.0, "lookahead_time_s": 0.0,
        "ahead_hits": 0, "ahead_misses": 0, "yields": 0, "yield_passes": 0, "bucket_moves": 2,
-       "moves_held": 0, "time/rollout": 1.5,
+       "moves_held": 0, "prefill_chunks": 4, "prefill_shared": 0, "time/rollout": 1.5,
        "time/reward": 0.1, "time/rollout_makespan": 1.4, "time/rollout_tail": 0.2}
   b = {"tokens": 3, "useful_slot_steps": 2, "steps": 2, "spec_steps": 1, "asked_steps": 2,
        "drafted": 4, "accepted": 1, "draft_time_s": 0.2, "lookahead_time_s": 0.1,
        "ahead_hits": 1, "ahead_misses": 3, "yields": 2, "yield_passes": 1, "bucket_moves": 0,
-       "moves_held": 5, "time/rollout": 1.0,
+       "moves_held": 5, "prefill_chunks": 2, "prefill_shared": 1, "time/rollout": 1.0,
        "time/reward": 0.2, "time/rollout_makespan": 0.9, "time/rollout_tail": 0.1}
   moved = set()
   for ma, mb in ((rollout_metrics(records, 1, a, 1), rollout_metrics(records, 1, b, 1)),
