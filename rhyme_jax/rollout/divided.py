@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from rhyme_jax.models.attention import KVCache
-from rhyme_jax.rollout import compiled, step
+from rhyme_jax.rollout import compiled, kv_cache, step
 from rhyme_jax.rollout.interface import yield_rule
 
 
@@ -114,8 +114,7 @@ class ParkPool:
     """Rows one call moves each way (its index arrays' width), the compiled sizes for a batch
     of `batch` rows: powers of two up to the first that holds min(batch, pool rows,
     MAX_PASS_ROWS); a larger pass takes several calls."""
-    most = max(1, min(batch, self.rows, MAX_PASS_ROWS))
-    return [1 << k for k in range(most.bit_length() + (most & (most - 1) > 0))]
+    return kv_cache.pair_widths(max(1, min(batch, self.rows, MAX_PASS_ROWS)))
 
   def park(self, parks: list[tuple[int, Any]]) -> None:
     """For each (slot, record): takes a free pool row for `slot`'s KV row and keeps `record`
@@ -163,8 +162,8 @@ class ParkPool:
       out = out or [(self.rows, 0)]  # slot 0 into the sink
       back = back or [(out[0][1], self.rows)]  # the sink into a slot this call parks
       last = k == len(calls) - 1
-      ints = step.pass_ints(_padded(out, width), _padded(back, width),
-                            ints_5xB if last else unloaded)
+      ints = step.pass_ints(kv_cache.padded_pairs(out, width),
+                            kv_cache.padded_pairs(back, width), ints_5xB if last else unloaded)
       state, self.cache = compiled.park_resume_load_jit(state, self.cache, ints, floats_2xB)
     return state
 
@@ -210,12 +209,6 @@ class ParkPool:
 def _stand_in(request_id: int):
   """A record for warm-up's passes: what `ParkPool.park` reads of a `LiveRequest`."""
   return types.SimpleNamespace(req=types.SimpleNamespace(request_id=request_id))
-
-
-def _padded(pairs: list[tuple[int, int]], width: int) -> np.ndarray:
-  """`pairs` as the (2, width) int32 index array of `kv_cache.copy_rows`, padded by repeating
-  the last pair (copying a row twice writes the same values)."""
-  return np.array(pairs + pairs[-1:] * (width - len(pairs)), np.int32).T
 
 
 class YieldRules:

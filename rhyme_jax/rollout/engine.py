@@ -36,7 +36,7 @@ from flax import nnx
 
 from rhyme_jax.models.attention import KVCache, resolve_attention
 from rhyme_jax.models.transformer import Transformer
-from rhyme_jax.rollout import accept, compiled, loop, step, warmup
+from rhyme_jax.rollout import accept, compiled, kv_cache, loop, step, warmup
 from rhyme_jax.rollout.compiled import TRACE_COUNTS  # noqa: F401  (re-exported for tests)
 from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.divided import ParkPool, YieldCost
@@ -241,9 +241,8 @@ class RolloutEngine:
         cache = self._prefill_fn(self._leaves, cache, args)
         self.stats.prefill_chunks += 1
     for at in range(0, len(copies), MAX_SHARED):
-      part = copies[at:at + MAX_SHARED]
-      part += part[-1:] * ((1 << (len(part) - 1).bit_length()) - len(part))  # a compiled width
-      cache = compiled.copy_within_jit(cache, np.array(part, np.int32).T)
+      part = kv_cache.padded_pairs(copies[at:at + MAX_SHARED])  # a compiled width
+      cache = compiled.copy_within_jit(cache, part)
     self.stats.prefill_shared += len(copies)
     state = state.replace(cache=cache)
     self.stats.prefill_time_s += time.perf_counter() - t0  # dispatch time (runs async)
@@ -252,8 +251,7 @@ class RolloutEngine:
   def shared_sizes(self, bucket: int) -> list[int]:
     """Widths of the prompt copies' calls a bucket compiles: powers of two up to the first
     that holds min(bucket - 1, MAX_SHARED) (at least one slot holds the source)."""
-    most = min(bucket - 1, MAX_SHARED)
-    return [1 << k for k in range((most - 1).bit_length() + 1)] if most > 0 else []
+    return kv_cache.pair_widths(min(bucket - 1, MAX_SHARED))
 
   # ---- the loop --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rhyme_jax.models.attention import KVCache
 
@@ -71,3 +72,17 @@ def copy_rows_within(cache: KVCache, rows: jax.Array) -> KVCache:
   for i in range(rows.shape[1]):
     cache = write_slot(cache, rows[0, i], read_slot(cache, rows[1, i]))
   return cache
+
+
+def pair_widths(most: int) -> list[int]:
+  """The widths (pairs per call) compiled for calls that move up to `most` row pairs: powers of
+  two up to the first that holds `most`; none for 0. Few shapes, each compiled at warm-up."""
+  return [1 << k for k in range((most - 1).bit_length() + 1)] if most > 0 else []
+
+
+def padded_pairs(pairs: list[tuple[int, int]], width: int | None = None) -> np.ndarray:
+  """`pairs` (destination row, source row) as the (2, width) int32 index array of
+  `copy_rows` / `copy_rows_within`, padded by repeating the last pair (which writes the same
+  values again); `width` defaults to the smallest power of two that holds them."""
+  width = width or 1 << (len(pairs) - 1).bit_length()
+  return np.array(pairs + pairs[-1:] * (width - len(pairs)), np.int32).T

@@ -157,7 +157,7 @@ def park_resume_load(state: DecodeState, pool: KVCache, ints_N: jax.Array, float
 
   `ints_N` is `pass_ints`' one int32 array: the parks' (pool row, slot) pairs as a 2 x W
   array, the resumes' (slot, pool row) pairs likewise, then load_slots' 5 x B (W static, a
-  pass size; kv_cache.copy_rows pads a pass by repeating a pair)."""
+  pass size; kv_cache.padded_pairs pads a pass by repeating a pair)."""
   b = state.batch
   w = (ints_N.shape[0] - 5 * b) // 4
   park_2xW, resume_2xW = ints_N[:2 * w].reshape(2, w), ints_N[2 * w:4 * w].reshape(2, w)

@@ -3,7 +3,6 @@ KV row copied into the slots of the group's other samples; what is sampled never
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from rhyme_jax.rollout.drafts import OracleDrafter
@@ -11,7 +10,7 @@ from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, Rollou
 from rhyme_jax.rollout.sampling import SamplingParams
 
 from tests.rollout.conftest import mixed_prompts
-from tests.rollout.test_divided import FewestTokensFirst
+from tests.rollout.test_divided import FewestTokensFirst, _same
 
 EOS = 3
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16)
@@ -34,13 +33,6 @@ def engine(model, budget=0, **kw):
   eng = RolloutEngine(model, cfg)
   eng.warmup()
   return eng
-
-
-def _same(a_results, b_results):
-  for a, b in zip(a_results, b_results):
-    np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"request {a.request_id}")
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    assert a.finish_reason == b.finish_reason
 
 
 @pytest.mark.parametrize("mode", ["plain", "speculative", "divided"])
