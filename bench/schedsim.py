@@ -5,8 +5,11 @@ through `scheduling.simulate` (the engine's slots, shrinking buckets, measured s
 optional speculation and divided rollout) under each admission policy; history-based policies
 predict from the trace's earlier epochs only. Reports makespan, tail time (last 10% of
 requests), slot utilisation, ratios to the oracle order (true lengths, longest first) and the
-tail cut vs FIFO; prints the table and appends it to bench/RESULTS.md. `--told_cost` scales
-the yield cost history_residual weighs (a sensitivity check of its margin rule).
+tail cut vs FIFO; prints the table and appends it to bench/RESULTS.md. Reference orders no
+policy can run (bench/schedsim_bounds.py) bound what any order could reach: per-prompt orders
+without preemption, and divided rollout knowing each prompt's true lengths or each request's.
+`--told_cost` scales the yield cost history_residual weighs (a sensitivity check of its margin
+rule).
 
 Traces (`--trace`, repeatable; read by bench/schedsim_traces.py):
   synthetic[:SEED]   a generated trace (log-normal prompt difficulty, per-sample noise, epoch
@@ -44,7 +47,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from bench.schedsim_grpo import StepCase, aggregate  # noqa: E402
+from bench.schedsim_bounds import BOUNDS, blind_draws, divided_bounds  # noqa: E402
+from bench.schedsim_grpo import aggregate  # noqa: E402
 from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # noqa: E402,F401
                                    load_trace, split_groups, step_jobs, synthetic_trace,
                                    trace_cases, write_trace)
@@ -193,43 +197,10 @@ def overlap_rows(name, jobs, predictor, truth, slots) -> list[list]:
   return rows
 
 
-def blind_draws(cases: list[StepCase], table, cfg, draws: int, seed: int) -> np.ndarray:
-  """What an order that cannot tell one prompt's samples apart can reach on this trace.
-
-  A prompt's G samples are exchangeable before they run, so any per-prompt order (history,
-  probe-free) sees the same trace with each group's true lengths shuffled among its samples.
-  Per draw, summed over the cases (steps): (makespan / oracle, tail cut vs FIFO, decode steps
-  of the per-prompt order), for the order by the step's true group means (the best per-prompt
-  knowledge), longest first. float64[draws, 3].
-  """
-  rng = np.random.default_rng(seed)
-  out = np.zeros((draws, 3))
-  for d in range(draws):
-    sums = np.zeros(5)  # group makespan, oracle makespan, group tail, fifo tail, group steps
-    for case in cases:
-      by_group = collections.defaultdict(list)
-      for i, (m, _) in enumerate(case.jobs):
-        by_group[m.group_id].append(i)
-      lengths = [n for _, n in case.jobs]
-      for idx in by_group.values():
-        for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
-          lengths[i] = int(n)
-      shuffled = [(m, n) for (m, _), n in zip(case.jobs, lengths)]
-      truth = {m.request_id: n for m, n in shuffled}
-      score = case.group_mean
-      oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)
-      fifo = simulate(shuffled, lambda: make_policy("fifo"), table, cfg)
-      grp = simulate(shuffled, lambda: StaticPolicy("group", lambda m: score[m.group_id]),
-                     table, cfg)
-      sums += (grp.makespan_ms, oracle.makespan_ms, grp.tail_ms, fifo.tail_ms, grp.steps)
-    out[d] = (sums[0] / sums[1], 1 - sums[2] / sums[3] if sums[3] > 0 else 0.0, sums[4])
-  return out
-
-
 def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
   """(detail rows, summary rows, cross-step rows, notes) for every trace."""
   detail, summary, overlap, notes = [], [], [], []
-  args.blind_rows = []
+  args.blind_rows, args.bound_rows = [], []
   for spec in args.trace:
     name, cases = trace_cases(spec, args, notes)
     num_requests = len(cases[0].jobs)
@@ -300,6 +271,11 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
             f"{b[:, 2].mean():.0f} ({b[:, 2].min():.0f}-{b[:, 2].max():.0f})",
             f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
             f"{100 * b[:, 1].max():.0f}%"])
+      if sc.chunk and sc.keep_kv and not sc.kv_rows:  # divided rollout's references
+        b = divided_bounds(cases, table, cfg, yield_cost)
+        args.bound_rows.append([name, sc.table, f"1x{sc.slots}", label[5], label[6]]
+                               + [f"{b[n][0]:.3f}" for n in BOUNDS]
+                               + [f"{100 * b[n][1]:.0f}%" for n in BOUNDS])
       for pol in ("history", "history_residual") if sc.chunk else ("history",):
         h = results[pol]
         notes.append(f"targets, {name} [{sc.table} 1x{sc.slots}"
@@ -408,6 +384,16 @@ def main(argv=None) -> None:
          "per-prompt makespan / oracle: mean", "best draw", "tail cut vs fifo: mean",
          "best draw"],
         args.blind_rows)
+  if args.bound_rows:
+    table += ("\n\nWhat divided rollout could reach (one shard, chunk scenarios): "
+              "history_residual against the same rule over the step's own lengths per prompt "
+              "(each prompt's true length distribution, not which sample is which) and over "
+              "each request's true length (clairvoyant LRPT); makespan / oracle, tail cut vs "
+              "FIFO (bench/schedsim_bounds.py)\n\n")
+    table += common.markdown_table(
+        ["trace", "table", "shards x slots", "chunk", "launch"]
+        + [f"{n} / oracle" for n in BOUNDS] + [f"tail cut: {n}" for n in BOUNDS],
+        args.bound_rows)
   table += ("\n\nCross-step alternation: the step's prompts as two consecutive steps A, B "
             "(first and second half); history_alt = A long-first, B short-first\n\n")
   table += common.markdown_table(

@@ -1,0 +1,111 @@
+"""Reference orders no real policy can run: what any order could reach on a recorded trace.
+
+They split a policy's distance from the oracle into what it could and could not have known:
+- `blind_draws`: any per-prompt order without preemption. A prompt's samples are
+  indistinguishable before they run, so it sees the trace with each group's lengths shuffled.
+- `divided_bounds`: divided rollout (preemption every chunk tokens) with two references
+  against history_residual:
+  - own lengths: the same residual rule over the step's own lengths per prompt, not the
+    previous epoch's. It knows each prompt's true length distribution (no drift between
+    epochs) but not which sample is which.
+  - clairvoyant: each request's true remaining length, LRPT (longest remaining first).
+
+Each reference is run by `scheduling.simulate` on the trace's cases, as the policies are.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from bench.schedsim_grpo import StepCase
+from rhyme_jax.scheduling.admission import ResidualPolicy, StaticPolicy, make_policy
+from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
+from rhyme_jax.scheduling.simulate import simulate
+
+
+def blind_draws(cases: list[StepCase], table, cfg, draws: int, seed: int) -> np.ndarray:
+  """What an order that cannot tell one prompt's samples apart can reach on this trace.
+
+  A prompt's G samples are exchangeable before they run, so any per-prompt order (history,
+  probe-free) sees the same trace with each group's true lengths shuffled among its samples.
+  Per draw, summed over the cases (steps): (makespan / oracle, tail cut vs FIFO, decode steps
+  of the per-prompt order), for the order by the step's true group means (the best per-prompt
+  knowledge), longest first. float64[draws, 3].
+  """
+  rng = np.random.default_rng(seed)
+  out = np.zeros((draws, 3))
+  for d in range(draws):
+    sums = np.zeros(5)  # group makespan, oracle makespan, group tail, fifo tail, group steps
+    for case in cases:
+      by_group = collections.defaultdict(list)
+      for i, (m, _) in enumerate(case.jobs):
+        by_group[m.group_id].append(i)
+      lengths = [n for _, n in case.jobs]
+      for idx in by_group.values():
+        for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
+          lengths[i] = int(n)
+      shuffled = [(m, n) for (m, _), n in zip(case.jobs, lengths)]
+      truth = {m.request_id: n for m, n in shuffled}
+      score = case.group_mean
+      oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)
+      fifo = simulate(shuffled, lambda: make_policy("fifo"), table, cfg)
+      grp = simulate(shuffled, lambda: StaticPolicy("group", lambda m: score[m.group_id]),
+                     table, cfg)
+      sums += (grp.makespan_ms, oracle.makespan_ms, grp.tail_ms, fifo.tail_ms, grp.steps)
+    out[d] = (sums[0] / sums[1], 1 - sums[2] / sums[3] if sums[3] > 0 else 0.0, sums[4])
+  return out
+
+
+class ClairvoyantResidual(ResidualPolicy):
+  """`ResidualPolicy` told each request's true remaining length: LRPT with a chunk-long
+  quantum, under the same yield margin as history_residual."""
+
+  name = "clairvoyant_residual"
+
+  def __init__(self, true_lengths, yield_cost: float = 0.0):
+    super().__init__(predictor=None, yield_cost=yield_cost)
+    self.true_lengths = true_lengths
+
+  def remaining(self, meta, generated: int) -> float:
+    return float(max(self.true_lengths[meta.request_id] - generated, 0))
+
+
+def own_lengths_predictor(case: StepCase) -> LengthPredictor:
+  """A predictor whose history is the step's own lengths per prompt (one epoch)."""
+  table = LengthTable(epochs_kept=1)
+  per_prompt = collections.defaultdict(list)
+  for m, n in case.jobs:
+    per_prompt[m.prompt_key].append(n)
+  for key, lengths in per_prompt.items():
+    table.add(key, case.epoch, lengths)
+  return LengthPredictor(table)
+
+
+BOUNDS = ("history_residual", "own_lengths", "clairvoyant")
+
+
+def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float) -> dict:
+  """{name: (makespan / oracle, tail cut vs FIFO)} summed over the cases, for history_residual
+  and the two references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
+  the same non-preemptive orders as in the policy tables."""
+  sums = collections.Counter()
+  for case in cases:
+    truth = case.truth
+    own = own_lengths_predictor(case)
+    factories = {
+        "history_residual": lambda: make_policy("history_residual", predictor=case.predictor,
+                                                yield_cost=yield_cost),
+        "own_lengths": lambda: make_policy("history_residual", predictor=own,
+                                           yield_cost=yield_cost),
+        "clairvoyant": lambda: ClairvoyantResidual(truth, yield_cost),
+        "oracle": lambda: make_policy("oracle", true_lengths=truth),
+        "fifo": lambda: make_policy("fifo"),
+    }
+    for name, factory in factories.items():
+      res = simulate(case.jobs, factory, table, cfg)
+      sums[name, "makespan"] += res.makespan_ms
+      sums[name, "tail"] += res.tail_ms
+  cut = lambda n: 1 - sums[n, "tail"] / sums["fifo", "tail"] if sums["fifo", "tail"] else 0.0
+  return {n: (sums[n, "makespan"] / sums["oracle", "makespan"], cut(n)) for n in BOUNDS}

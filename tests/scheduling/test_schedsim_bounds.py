@@ -1,0 +1,67 @@
+"""bench/schedsim_bounds.py: the references divided rollout is measured against."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import schedsim_bounds  # noqa: E402
+from rhyme_jax.scheduling.admission import RequestMeta, make_policy  # noqa: E402
+from rhyme_jax.scheduling.simulate import DividedRollout, SimConfig, simulate  # noqa: E402
+from rhyme_jax.scheduling.step_time import StepTimeTable  # noqa: E402
+
+FLAT = StepTimeTable({(b, 0): 1.0 for b in (1, 2, 4, 8)}, "flat")
+
+
+def _jobs(rng, prompts=6, group=4):
+  return [(RequestMeta(p * group + j, p, f"k{p}", p * group + j, 512), int(n))
+          for p in range(prompts) for j, n in enumerate(rng.integers(1, 60, group))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clairvoyant_lrpt_reaches_the_preemptive_optimum(seed):
+  # With a one-token quantum and free yields, LRPT on true lengths is optimal for identical
+  # machines with preemption: max(longest, ceil(total / slots)) decode steps (McNaughton).
+  jobs = _jobs(np.random.default_rng(seed))
+  truth = {m.request_id: n for m, n in jobs}
+  lengths = np.array(list(truth.values()))
+  cfg = SimConfig(slots=8, buckets=(8,), shrink=False, divided=DividedRollout(1))
+  res = simulate(jobs, lambda: schedsim_bounds.ClairvoyantResidual(truth), FLAT, cfg)
+  assert res.steps == max(lengths.max(), -(-lengths.sum() // 8))
+  assert res.yields > 0
+  oracle = simulate(jobs, lambda: make_policy("oracle", true_lengths=truth), FLAT, cfg)
+  assert res.steps <= oracle.steps
+
+
+def test_clairvoyant_without_preemption_is_the_oracle():
+  # A chunk longer than every response never offers a yield: longest first on true lengths.
+  jobs = _jobs(np.random.default_rng(7))
+  truth = {m.request_id: n for m, n in jobs}
+  cfg = SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(100))
+  res = simulate(jobs, lambda: schedsim_bounds.ClairvoyantResidual(truth), FLAT, cfg)
+  oracle = simulate(jobs, lambda: make_policy("oracle", true_lengths=truth), FLAT, cfg)
+  assert (res.makespan_ms, res.yields) == (oracle.makespan_ms, 0)
+
+
+def test_own_lengths_predictor_reads_the_step_itself():
+  jobs = _jobs(np.random.default_rng(3))
+  case = schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=None, table=None)
+  pred = schedsim_bounds.own_lengths_predictor(case)
+  for p in range(6):
+    own = [n for m, n in jobs if m.group_id == p]
+    assert pred.predict(f"k{p}").length == pytest.approx(np.mean(own))
+    # a fresh request's expected length: its prompt's own mean shrunk toward every prompt's
+    every = np.mean([n for _, n in jobs])
+    k = pred.residual_prior
+    assert pred.remaining_tokens(f"k{p}", 0, 512) == pytest.approx(
+        (np.sum(own) + k * every) / (len(own) + k))
+  bounds = schedsim_bounds.divided_bounds(
+      [schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=pred, table=None)], FLAT,
+      SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(1)), yield_cost=0.0)
+  # history_residual given the step's own lengths as history is the own-lengths reference;
+  # at a one-token quantum with free yields the clairvoyant one is optimal, so no worse
+  assert bounds["history_residual"] == bounds["own_lengths"]
+  assert bounds["clairvoyant"][0] <= bounds["own_lengths"][0]
