@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU figures of rollout scheduling, shared prompt prefill and multi-step launches, in one go
-# (~15 min on 1 x H100):
+# (~15 min on 1 x H100; steps 1-3 took 7.5 min on 2026-11-27, the pip install included):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
@@ -8,8 +8,8 @@
 # Most telling first, so that a lease cut short loses the least:
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
 #    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, on the first prompt
-#    set of OFFSETS (default "16 0": prompts 16-31, where the tail-cut target was missed on
-#    2026-11-27), REPEATS times (default 5: a rollout takes ~3 s, compiling ~2 min; the notes
+#    set of OFFSETS (default "16 0": prompts 16-31, 70% tail cut with the old yield margin,
+#    94% on 1 x H100 2026-11-27 with the new one), REPEATS times (default 5: a rollout takes ~3 s, compiling ~2 min; the notes
 #    give each repeat's tail cut and their median): wall-clock makespan and tail against the
 #    oracle's (the scheduling issue's targets), host ms per decode step by part.
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
