@@ -5,7 +5,8 @@ in *rank* (a hard problem stays long) even when the whole length distribution dr
 grow or shrink as the policy trains). So the predictor works in ranks: for each kept epoch it
 turns a prompt's group statistic (mean / max / a quantile of its G lengths) into a quantile rank
 among all prompts seen in that epoch, averages the ranks over the kept epochs (recent epochs
-weigh more), and maps the rank back to tokens through the newest epoch's distribution. With one
+weigh more), and maps the rank back to tokens through the newest epoch's distribution (the
+newest that holds two or more prompts). With one
 epoch kept this is that epoch's statistic itself.
 
 Lengths come from a `LengthSource`: `StoreLengths` reads a `history.store.HistoryStore`,
@@ -160,7 +161,9 @@ class LengthPredictor:
     pops = self._populations()
     if not pops:
       return Prediction(0.0, False)
-    newest = pops[max(pops)]
+    # Ranks map back to tokens through the newest epoch that can hold a rank: a population of
+    # one prompt (one step into an epoch of one-prompt steps) would give every prompt its value.
+    newest = pops[max((e for e, v in pops.items() if len(v) >= 2), default=max(pops))]
     history = [(e, l) for e, l in self.source.epoch_lengths(key) if len(l)]
     if not history:
       return Prediction(float(np.median(newest)), False)
