@@ -22,13 +22,13 @@ import dataclasses
 import os
 import sys
 import time
-import zlib
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.histospec import MODEL_NAME, gsm8k_prompts  # noqa: E402
+from bench.schedule_engine import check_counts, tokens_crc  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
@@ -51,9 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--no_append", action="store_true")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
-  for flag in ("num_prompts", "group_size", "max_new_tokens", "prefill_chunk", "repeats"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
+  check_counts(p, args, ("num_prompts", "group_size", "max_new_tokens", "prefill_chunk",
+                         "repeats"))
   return args
 
 
@@ -82,11 +81,8 @@ def main(argv=None):
       out = engine.generate(requests[v])
       wall = time.perf_counter() - t0
       st = engine.stats
-      crc = 0
-      for r in out:
-        crc = zlib.crc32(np.asarray(r.tokens, np.int32).tobytes(), crc)
       runs[v].append(dict(wall=wall, calls=st.prefill_chunks, shared=st.prefill_shared,
-                          admit=st.prefill_time_s, crc=crc, tokens=st.tokens))
+                          admit=st.prefill_time_s, crc=tokens_crc(out), tokens=st.tokens))
       print(f"[prefill_share] {v}: {wall:.2f} s, {st.prefill_chunks} prefill calls, "
             f"{st.prefill_shared} copies", flush=True)
   crcs = {r["crc"] for v in VARIANTS for r in runs[v]}

@@ -86,11 +86,17 @@ def own_lengths_predictor(case: StepCase) -> LengthPredictor:
 BOUNDS = ("history_residual", "own_lengths", "clairvoyant")
 
 
-def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float) -> dict:
+def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
+                   known: dict | None = None) -> dict:
   """{name: (makespan / oracle, tail cut vs FIFO)} summed over the cases, for history_residual
   and the two references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
-  the same non-preemptive orders as in the policy tables."""
+  the same non-preemptive orders as in the policy tables. `known`: {name: (makespan ms,
+  tail ms)} summed over the cases for any of history_residual / oracle / fifo the caller
+  already simulated under `cfg` (not run again)."""
+  known = known or {}
   sums = collections.Counter()
+  for name, (makespan, tail) in known.items():
+    sums[name, "makespan"], sums[name, "tail"] = makespan, tail
   for case in cases:
     truth = case.truth
     own = own_lengths_predictor(case)
@@ -104,6 +110,8 @@ def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float) -> dict
         "fifo": lambda: make_policy("fifo"),
     }
     for name, factory in factories.items():
+      if name in known:
+        continue
       res = simulate(case.jobs, factory, table, cfg)
       sums[name, "makespan"] += res.makespan_ms
       sums[name, "tail"] += res.tail_ms

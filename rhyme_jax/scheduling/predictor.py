@@ -6,8 +6,8 @@ grow or shrink as the policy trains). So the predictor works in ranks: for each 
 turns a prompt's group statistic (mean / max / a quantile of its G lengths) into a quantile rank
 among all prompts seen in that epoch, averages the ranks over the kept epochs (recent epochs
 weigh more), and maps the rank back to tokens through the newest epoch's distribution (the
-newest that holds two or more prompts). With one
-epoch kept this is that epoch's statistic itself.
+newest that holds two or more prompts). With one epoch kept this is that epoch's statistic
+itself.
 
 Lengths come from a `LengthSource`: `StoreLengths` reads a `history.store.HistoryStore`,
 `LengthTable` holds lengths alone (simulator, tests, or a trainer that keeps no responses).
