@@ -7,7 +7,8 @@ predict from the trace's earlier epochs only. Reports makespan, tail time (last 
 requests), slot utilisation, ratios to the oracle order (true lengths, longest first) and the
 tail cut vs FIFO; prints the table and appends it to bench/RESULTS.md. Reference orders no
 policy can run (bench/schedsim_bounds.py) bound what any order could reach: per-prompt orders
-without preemption, and divided rollout knowing each prompt's true lengths or each request's.
+without preemption, and divided rollout knowing the step's drift, each prompt's true
+lengths or each request's.
 `--told_cost` scales the yield cost history_residual weighs (a sensitivity check of its margin
 rule).
 
@@ -388,10 +389,11 @@ def main(argv=None) -> None:
         args.blind_rows)
   if args.bound_rows:
     table += ("\n\nWhat divided rollout could reach (one shard, chunk scenarios): "
-              "history_residual against the same rule over the step's own lengths per prompt "
-              "(each prompt's true length distribution, not which sample is which) and over "
-              "each request's true length (clairvoyant LRPT); makespan / oracle, tail cut vs "
-              "FIFO (bench/schedsim_bounds.py)\n\n")
+              "history_residual against the same rule over the history rescaled to the step's "
+              "true mean length (the drift as one factor per step), over the step's own "
+              "lengths per prompt (each prompt's true length distribution, not which sample is "
+              "which) and over each request's true length (clairvoyant LRPT); makespan / "
+              "oracle, tail cut vs FIFO (bench/schedsim_bounds.py)\n\n")
     table += common.markdown_table(
         ["trace", "table", "shards x slots", "chunk", "launch"]
         + [f"{n} / oracle" for n in BOUNDS] + [f"tail cut: {n}" for n in BOUNDS],

@@ -3,8 +3,11 @@
 They split a policy's distance from the oracle into what it could and could not have known:
 - `blind_draws`: any per-prompt order without preemption. A prompt's samples are
   indistinguishable before they run, so it sees the trace with each group's lengths shuffled.
-- `divided_bounds`: divided rollout (preemption every chunk tokens) with two references
+- `divided_bounds`: divided rollout (preemption every chunk tokens) with three references
   against history_residual:
+  - rescaled history: the history times one factor per step, the step's true mean length over
+    its prompts' kept mean. It knows how far the whole length distribution drifted since the
+    history was recorded, not how each prompt moved.
   - own lengths: the same residual rule over the step's own lengths per prompt, not the
     previous epoch's. It knows each prompt's true length distribution (no drift between
     epochs) but not which sample is which.
@@ -72,6 +75,19 @@ class ClairvoyantResidual(ResidualPolicy):
     return float(max(self.true_lengths[meta.request_id] - generated, 0))
 
 
+def rescaled_predictor(case: StepCase) -> LengthPredictor:
+  """A predictor over `case.table`'s history with every kept length times one factor: the
+  step's true mean length over the mean of its prompts' kept lengths (rounded, at least 1)."""
+  keys = {m.prompt_key for m, _ in case.jobs}
+  kept = [l for k in keys for _, l in case.table.epoch_lengths(k)]
+  scale = case.lengths.mean() / np.concatenate(kept).mean() if kept else 1.0
+  table = LengthTable(epochs_kept=case.table.epochs_kept)
+  for key in case.table.keys():
+    for epoch, lengths in case.table.epoch_lengths(key):
+      table.add(key, epoch, np.maximum(np.round(lengths * scale), 1).astype(np.int64))
+  return LengthPredictor(table, stat=case.predictor.stat)
+
+
 def own_lengths_predictor(case: StepCase) -> LengthPredictor:
   """A predictor whose history is the step's own lengths per prompt (one epoch)."""
   table = LengthTable(epochs_kept=1)
@@ -83,13 +99,13 @@ def own_lengths_predictor(case: StepCase) -> LengthPredictor:
   return LengthPredictor(table)
 
 
-BOUNDS = ("history_residual", "own_lengths", "clairvoyant")
+BOUNDS = ("history_residual", "rescaled_history", "own_lengths", "clairvoyant")
 
 
 def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
                    known: dict | None = None) -> dict:
   """{name: (makespan / oracle, tail cut vs FIFO)} summed over the cases, for history_residual
-  and the two references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
+  and the three references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
   the same non-preemptive orders as in the policy tables. `known`: {name: (makespan ms,
   tail ms)} summed over the cases for any of history_residual / oracle / fifo the caller
   already simulated under `cfg` (not run again)."""
@@ -99,9 +115,11 @@ def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
     sums[name, "makespan"], sums[name, "tail"] = makespan, tail
   for case in cases:
     truth = case.truth
-    own = own_lengths_predictor(case)
+    own, rescaled = own_lengths_predictor(case), rescaled_predictor(case)
     factories = {
         "history_residual": lambda: make_policy("history_residual", predictor=case.predictor,
+                                                yield_cost=yield_cost),
+        "rescaled_history": lambda: make_policy("history_residual", predictor=rescaled,
                                                 yield_cost=yield_cost),
         "own_lengths": lambda: make_policy("history_residual", predictor=own,
                                            yield_cost=yield_cost),

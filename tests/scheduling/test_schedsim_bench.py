@@ -56,15 +56,15 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
                  "--blind_draws", "3", "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 11, 12, 15, 21)}
+  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 13, 15, 21)}
   scenarios = schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, plans="data_order,lpt_history,lpt_oracle"), 32, 16)
   full = [sc for sc in scenarios if sc.shards == 1 and sc.shrink and sc.accepted == 1]
   # Widths: cross-step 6; detail 15; the per-prompt bound (one row per table) 12; summary 21;
-  # divided rollout's references 11 (one shard, KV kept: chunk at launch 1 and engine-like).
+  # divided rollout's references 13 (one shard, KV kept: chunk at launch 1 and engine-like).
   divided = [sc for sc in full if sc.chunk and sc.keep_kv and not sc.kv_rows]
   assert len(divided) == 4
-  assert by_width == {6: 8, 11: len(divided), 12: 2, 15: len(full) * len(schedsim.POLICIES),
+  assert by_width == {6: 8, 13: len(divided), 12: 2, 15: len(full) * len(schedsim.POLICIES),
                       21: len(scenarios)}
   # Divided rollout: only the online orders yield (a static order's "yield" resumes in place).
   yields = {(r[3], r[4], r[5]): int(r[10]) for r in lines if len(r) == 15}

@@ -59,9 +59,34 @@ def test_own_lengths_predictor_reads_the_step_itself():
     assert pred.remaining_tokens(f"k{p}", 0, 512) == pytest.approx(
         (np.sum(own) + k * every) / (len(own) + k))
   bounds = schedsim_bounds.divided_bounds(
-      [schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=pred, table=None)], FLAT,
+      [schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=pred, table=pred.source)], FLAT,
       SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(1)), yield_cost=0.0)
-  # history_residual given the step's own lengths as history is the own-lengths reference;
+  # history_residual given the step's own lengths as history is the own-lengths reference (and
+  # the rescaled one: a factor of 1);
   # at a one-token quantum with free yields the clairvoyant one is optimal, so no worse
-  assert bounds["history_residual"] == bounds["own_lengths"]
+  assert bounds["history_residual"] == bounds["own_lengths"] == bounds["rescaled_history"]
   assert bounds["clairvoyant"][0] <= bounds["own_lengths"][0]
+
+
+def test_rescaled_history_is_the_step_when_every_prompt_drifted_alike():
+  # Every length of the step is twice its prompt's history: the one factor (the step's mean
+  # over its prompts' kept mean) is 2 and recovers the step; prompts outside it scale too.
+  jobs = [(m, 2 * n) for m, n in _jobs(np.random.default_rng(5))]
+  table = schedsim_bounds.LengthTable(epochs_kept=1)
+  for p in range(6):
+    table.add(f"k{p}", 1, [n // 2 for m, n in jobs if m.group_id == p])
+  table.add("other", 1, [10, 20])
+  case = schedsim_bounds.StepCase("t", 1, 2, jobs,
+                                  predictor=schedsim_bounds.LengthPredictor(table), table=table)
+  rescaled = schedsim_bounds.rescaled_predictor(case)
+  assert dict(rescaled.source.epoch_lengths("other"))[1].tolist() == [20, 40]
+  for p in range(6):
+    assert (dict(rescaled.source.epoch_lengths(f"k{p}"))[1].tolist()
+            == [n for m, n in jobs if m.group_id == p])
+  # the reference is history_residual over that predictor
+  cfg = SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(4))
+  bounds = schedsim_bounds.divided_bounds([case], FLAT, cfg, yield_cost=0.0)
+  direct = schedsim_bounds.divided_bounds(
+      [schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=rescaled, table=table)], FLAT, cfg,
+      yield_cost=0.0)
+  assert bounds["rescaled_history"] == direct["history_residual"]
