@@ -27,9 +27,9 @@ Traces (`--trace`, repeatable; read by bench/schedsim_traces.py):
                      trainer's history store held before it (bench/schedsim_grpo.py); the
                      tables sum makespans and tail times over the steps.
 
-Slots scale with the step (--slots overrides): 64 h100 / 32 cpu rows for a 128-request step,
-8 / 4 for a 16-request one, so each slot serves 2 / 4 requests; the divided-rollout chunk is
-min(64, max_new_tokens / 4) (--chunk overrides).
+Scenarios (bench/schedsim_scenarios.py): slots scale with the step (--slots overrides), 64 h100
+/ 32 cpu rows for a 128-request step, 8 / 4 for a 16-request one, so each slot serves 2 / 4
+requests; the divided-rollout chunk is min(64, max_new_tokens / 4) (--chunk overrides).
 
   python bench/schedsim.py --trace synthetic:0 --trace '/work/recordings/gsm8k_T0.6_e*.npz'
   python bench/schedsim.py --trace grpo:bench/data/grpo_quickstart
@@ -38,8 +38,6 @@ min(64, max_new_tokens / 4) (--chunk overrides).
 from __future__ import annotations
 
 import argparse
-import collections
-import dataclasses
 import os
 import sys
 
@@ -50,11 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.schedsim_bounds import BOUNDS, blind_draws, divided_bounds  # noqa: E402
 from bench.schedsim_grpo import aggregate  # noqa: E402
+from bench.schedsim_scenarios import scenarios, shard_plan, slot_counts  # noqa: E402
 from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # noqa: E402,F401
                                    load_trace, split_groups, step_jobs, synthetic_trace,
                                    trace_cases, write_trace)
 from rhyme_jax.scheduling.admission import StaticPolicy, make_policy  # noqa: E402
-from rhyme_jax.scheduling.assignment import lpt_assign, plan_shards  # noqa: E402
 from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E402
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
@@ -72,88 +70,6 @@ YIELD_PASS_MS = {"h100": 2 * 0.175 - 0.004, "cpu": 0.0}
 
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
             "history_residual", "oracle_group", "oracle")
-
-
-def shard_plan(kind: str, jobs, predictor, shards: int):
-  groups = sorted({m.group_id for m, _ in jobs})
-  if kind == "data_order":
-    return {g: i % shards for i, g in enumerate(groups)}
-  if kind == "lpt_history":
-    return plan_shards([m for m, _ in jobs], predictor, shards)
-  if kind == "lpt_oracle":
-    true = collections.Counter()
-    for m, n in jobs:
-      true[m.group_id] += n
-    shard = lpt_assign(np.array([true[g] for g in groups], np.int64), shards)
-    return dict(zip(groups, shard.tolist()))
-  raise ValueError(f"--plans: unknown plan {kind!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-  table: str
-  slots: int
-  shards: int = 1
-  shrink: bool = True
-  accepted: float = 1.0  # mean accepted length at `budget` (1.0: no speculation)
-  budget: int = 16
-  plan: str = "-"
-  chunk: int = 0
-  keep_kv: bool = True  # divided rollout: a yielded request's KV stays (else re-prefilled)
-  kv_rows: float = 0  # history_residual's cap on started requests, x slots (0: none)
-  multi_step: int = 1  # plain steps per launch (the engine's EngineConfig.multi_step)
-  pipeline: bool = False  # outputs read one launch late, as the engine reads them
-
-  def label(self) -> str:
-    spec = f"a={self.accepted:g}@T{self.budget}" if self.accepted > 1 else "off"
-    return (f"{self.table} | {self.shards}x{self.slots} | {'yes' if self.shrink else 'no'} | "
-            f"{spec} | {self.plan} | "
-            f"{self.chunk_label()} | {self.launch_label()}")
-
-  def launch_label(self) -> str:
-    return f"{self.multi_step}" + (" piped" if self.pipeline else "")
-
-  def chunk_label(self) -> str:
-    if not self.chunk:
-      return "-"
-    return (f"{self.chunk}" + ("" if self.keep_kv else " re-prefill")
-            + (f" kv {self.kv_rows:g}x" if self.kv_rows else ""))
-
-
-def slot_counts(args, num_requests: int) -> tuple[int, int]:
-  """Rows per shard on the (h100, cpu) tables: --slots, else scaled to the step so a slot
-  serves 2 (h100) / 4 (cpu) requests as on the 128-request GSM8K trace (64 / 32 slots):
-  a step no larger than the slots admits everything at once, where no order can matter."""
-  if getattr(args, "slots", None):
-    return args.slots
-  pow2 = lambda n: 1 << max(int(n), 1).bit_length() - 1
-  return min(64, pow2(num_requests / 2)), min(32, pow2(num_requests / 4))
-
-
-def scenarios(args, num_requests: int = 128, chunk: int = 64) -> list[Scenario]:
-  h, c = slot_counts(args, num_requests)
-  out = [Scenario("h100", h), Scenario("h100", h, shrink=False),
-         Scenario("h100", h, accepted=args.accepted, budget=args.budget),
-         Scenario("cpu", c), Scenario("cpu", c, shrink=False)]
-  for plan in args.plans.split(","):
-    out.append(Scenario("h100", max(h // 4, 1), shards=4, plan=plan))
-  out.append(Scenario("h100", max(h // 4, 1), shards=4, plan="lpt_history", chunk=chunk))
-  out.append(Scenario("cpu", max(c // 4, 1), shards=4, plan="lpt_history"))
-  out.append(Scenario("cpu", max(c // 4, 1), shards=4, plan="lpt_history", chunk=chunk))
-  out += [Scenario("h100", h, chunk=chunk),  # divided rollout on one shard
-          Scenario("h100", h, accepted=args.accepted, budget=args.budget, chunk=chunk),
-          Scenario("cpu", c, chunk=chunk),
-          Scenario("h100", h, chunk=chunk, kv_rows=2),  # KV held for at most 2 x slots
-          Scenario("cpu", c, chunk=chunk, kv_rows=2),
-          Scenario("h100", h, chunk=chunk, keep_kv=False),  # KV dropped when a request yields
-          Scenario("cpu", c, chunk=chunk, keep_kv=False)]
-  # As the engine runs (bench/schedule_engine.py): outputs read one launch late; on the GPU
-  # 4 plain steps per launch (bench/gpu_schedule.sh), on the CPU one.
-  out += [Scenario("h100", h, multi_step=4, pipeline=True),
-          Scenario("h100", h, chunk=chunk, multi_step=4, pipeline=True),
-          Scenario("cpu", c, pipeline=True),
-          Scenario("cpu", c, chunk=chunk, pipeline=True)]
-  return out
 
 
 class _TwoSteps:
