@@ -84,7 +84,8 @@ def measure(code: str, args) -> list[dict]:
   from rhyme_jax.models.transformer import init_model
   from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
   from rhyme_jax.rollout.sampling import SamplingParams
-  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.admission import make_policy
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
   # vocab 192 with EOS one of it: at T=1 responses run ~190 tokens, as SmolLM2's GSM8K ones do
   model = init_model(ModelConfig(vocab_size=192, hidden_size=32, intermediate_size=64,

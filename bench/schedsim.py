@@ -153,7 +153,8 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
             return make_policy(pol, predictor=case.predictor, step=1, seed=args.seed,
                                true_lengths=truth,
                                kv_budget=int(sc.kv_rows * sc.slots) if sc.kv_rows else None,
-                               yield_cost=yield_cost)
+                               yield_cost=yield_cost,
+                               residual_quantile=args.residual_quantile)
           res = simulate(case.jobs, factory, table, cfg, plan)
           assert abs(res.tokens - case.lengths.sum()) < 1e-6, "simulator lost or invented tokens"
           per_step[pol].append(res)
@@ -189,7 +190,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
             f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
             f"{100 * b[:, 1].max():.0f}%"])
       if sc.chunk and sc.keep_kv and not sc.kv_rows:  # divided rollout's references
-        b = divided_bounds(cases, table, cfg, yield_cost, known={
+        b = divided_bounds(cases, table, cfg, yield_cost, args.residual_quantile, known={
             p: (results[p].makespan_ms, results[p].tail_ms)
             for p in ("history_residual", "oracle", "fifo")})
         args.bound_rows.append([name, sc.table, f"1x{sc.slots}", label[5], label[6]]
@@ -236,6 +237,18 @@ def _slot_pair(text: str) -> tuple[int, int]:
   return h, c
 
 
+def _quantile(text: str) -> float | None:
+  if text == "mean":
+    return None
+  try:
+    q = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a number in (0, 1) or 'mean'") from None
+  if not 0 < q < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1), or 'mean'")
+  return q
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--trace", action="append", default=None,
@@ -266,6 +279,9 @@ def main(argv=None) -> None:
                   help="the yield cost history_residual is told, as a multiple of a pass of one "
                        "yield (1: what the engine tells it; below 1, a pass's yields sharing its "
                        "copy calls; a sensitivity check of the margin rule)")
+  ap.add_argument("--residual_quantile", type=_quantile, default=0.75,
+                  help="the quantile of remaining work history_residual ranks by, or 'mean' "
+                       "(ResidualPolicy; default: its default)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
   ap.add_argument("--blind_draws", type=int, default=200,
                   help="draws of the per-prompt bound (lengths shuffled within groups); 0 = off")
@@ -333,11 +349,12 @@ def main(argv=None) -> None:
         f"previous epoch's group {args.stat} (rank-mapped), longest first; history_alt = the "
         "odd-step half of the cross-step alternation (short first); probe = Seer probe-first "
         "(no history); history_probe = probes ordered by history, then max sibling so far; "
-        "history_residual = longest expected remaining work first, E[L - n | L > n] over the "
-        "prompt's history for a request that has n tokens (equal to history unless requests "
-        "yield: chunk scenarios); oracle_group = the step's true per-prompt mean length, longest first (the best any "
-        "per-prompt predictor can do: samples of one prompt are indistinguishable before they "
-        "run)",
+        "history_residual = longest remaining work first, the "
+        + ("mean" if args.residual_quantile is None else f"{args.residual_quantile:g} quantile")
+        + " of L - n given L > n over the prompt's history (shrunk toward every prompt's) for "
+        "a request that has n tokens; oracle_group = the step's true per-prompt mean length, "
+        "longest first (the best any per-prompt predictor can do: samples of one prompt are "
+        "indistinguishable before they run)",
         "the device line names the machine that ran the simulation, not the one the step "
         "times were measured on; simulated times are deterministic (no wall clock), so the "
         "shared CPU does not affect them",

@@ -68,7 +68,7 @@ class ClairvoyantResidual(ResidualPolicy):
   name = "clairvoyant_residual"
 
   def __init__(self, true_lengths, yield_cost: float = 0.0):
-    super().__init__(predictor=None, yield_cost=yield_cost)
+    super().__init__(predictor=None, yield_cost=yield_cost, quantile=None)
     self.true_lengths = true_lengths
 
   def remaining(self, meta, generated: int) -> float:
@@ -103,26 +103,27 @@ BOUNDS = ("history_residual", "rescaled_history", "own_lengths", "clairvoyant")
 
 
 def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
-                   known: dict | None = None) -> dict:
+                   residual_quantile: float | None = 0.75, known: dict | None = None) -> dict:
   """{name: (makespan / oracle, tail cut vs FIFO)} summed over the cases, for history_residual
   and the three references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
-  the same non-preemptive orders as in the policy tables. `known`: {name: (makespan ms,
-  tail ms)} summed over the cases for any of history_residual / oracle / fifo the caller
-  already simulated under `cfg` (not run again)."""
+  the same non-preemptive orders as in the policy tables; every residual rule ranks by
+  `residual_quantile` (None: the mean). `known`: {name: (makespan ms, tail ms)} summed over
+  the cases for any of history_residual / oracle / fifo the caller already simulated under
+  `cfg` (not run again)."""
   known = known or {}
   sums = collections.Counter()
   for name, (makespan, tail) in known.items():
     sums[name, "makespan"], sums[name, "tail"] = makespan, tail
+  residual = lambda predictor: make_policy("history_residual", predictor=predictor,
+                                           yield_cost=yield_cost,
+                                           residual_quantile=residual_quantile)
   for case in cases:
     truth = case.truth
     own, rescaled = own_lengths_predictor(case), rescaled_predictor(case)
     factories = {
-        "history_residual": lambda: make_policy("history_residual", predictor=case.predictor,
-                                                yield_cost=yield_cost),
-        "rescaled_history": lambda: make_policy("history_residual", predictor=rescaled,
-                                                yield_cost=yield_cost),
-        "own_lengths": lambda: make_policy("history_residual", predictor=own,
-                                           yield_cost=yield_cost),
+        "history_residual": lambda: residual(case.predictor),
+        "rescaled_history": lambda: residual(rescaled),
+        "own_lengths": lambda: residual(own),
         "clairvoyant": lambda: ClairvoyantResidual(truth, yield_cost),
         "oracle": lambda: make_policy("oracle", true_lengths=truth),
         "fifo": lambda: make_policy("fifo"),

@@ -9,7 +9,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
   fifo              data order
   history           longest predicted first (the prompt's epoch-0 lengths)
   probe             Seer: each group's first sample first, then the longest sibling so far
-  residual          longest expected remaining work first, E[L - n | L > n] over history
+  residual          longest remaining work first: the upper quartile of L - n given L > n
+                    over history, ties by its mean (ResidualPolicy's default quantile)
   residual+divided  the same, and every `--divide_every` tokens a running request is offered
                     to yield its slot; it yields to a margin more expected remaining work that
                     the engine's measured yield cost sets (ResidualPolicy.yield_margin)
@@ -18,6 +19,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
                     before the yield cost was weighed)
   residual+divided+waited  the same with the yield cost timed as each yield waited for (the
                     measure before the engine timed copies queued as a rollout makes them)
+  residual+divided+mean  the same ranked by the mean, E[L - n | L > n] (the rule before the
+                    upper quartile)
   oracle            epoch 1's true lengths, longest first (known from the fifo run: every
                     order samples the same tokens), without division
 
@@ -57,12 +60,13 @@ from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
-from rhyme_jax.scheduling.admission import EngineOrder, make_policy  # noqa: E402
+from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
+from rhyme_jax.scheduling.engine_order import EngineOrder  # noqa: E402
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
 from rhyme_jax.scheduling.simulate import tail_time  # noqa: E402
 
 POLICIES = ("fifo", "history", "probe", "residual", "residual+divided", "residual+divided+lrpt",
-            "residual+divided+waited", "oracle")
+            "residual+divided+waited", "residual+divided+mean", "oracle")
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, num_prompts: int,
@@ -265,7 +269,8 @@ def main(argv=None):
       policy = make_policy("oracle", true_lengths=true_lengths)
     else:
       policy = make_policy({"residual": "history_residual"}.get(base, base),
-                           predictor=predictor if base != "fifo" else None)
+                           predictor=predictor if base != "fifo" else None,
+                           **({"residual_quantile": None} if name.endswith("+mean") else {}))
     if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
       policy.set_yield_cost = lambda steps: None
     if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units

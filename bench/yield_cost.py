@@ -125,7 +125,8 @@ def check_pass() -> float:
   from rhyme_jax.rollout import divided
   from rhyme_jax.rollout.engine import Request
   from rhyme_jax.rollout.live import LiveRequest
-  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.admission import make_policy
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   from rhyme_jax.scheduling.predictor import LengthPredictor
   rng = np.random.default_rng(0)
   table = history_table(rng, range(16))
@@ -160,7 +161,8 @@ def admission_pick() -> float:
   as for every admission after a request's first)."""
   import numpy as np
   from rhyme_jax.rollout.engine import Request
-  from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+  from rhyme_jax.scheduling.admission import make_policy
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   from rhyme_jax.scheduling.predictor import LengthPredictor
   rng = np.random.default_rng(0)
   keys = [f"{k:032x}" for k in rng.integers(0, 1 << 62, 16)]

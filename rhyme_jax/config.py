@@ -210,9 +210,9 @@ _FLAGS = {
          "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
          "or 'probe' (Seer: each group's first sample first, then the group with the longest "
          "finished sibling; probes ordered by history where it exists) or 'residual' (longest "
-         "expected remaining work first, E[L - n | L > n] over the prompt's history: with "
-         "--divide_every, running requests give way to longer expected work). Never changes "
-         "what is sampled."),
+         "remaining work first: the upper quartile of L - n given L > n over the prompt's "
+         "history, ties by its mean; with --divide_every, running requests give way to longer "
+         "remaining work). Never changes what is sampled."),
         ("rollout_slots", 0, "Requests decoded at once (the rollout engine's largest batch "
          "bucket, e.g. what the KV cache memory allows); 0 = all group_size x prompts_per_step "
          "samples of a step at once. With fewer slots than samples, requests wait for a slot and "

@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Sequence
 
-from rhyme_jax.scheduling.admission import (AdmissionPolicy, EngineOrder, RequestMeta,
-                                            make_policy, metas_from_requests)
+from rhyme_jax.scheduling.admission import (AdmissionPolicy, RequestMeta, make_policy,
+                                            metas_from_requests)
 from rhyme_jax.scheduling.assignment import plan_shards
+from rhyme_jax.scheduling.engine_order import EngineOrder
 from rhyme_jax.scheduling.predictor import LengthPredictor
 
 SCHEDULES = {

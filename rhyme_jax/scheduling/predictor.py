@@ -14,11 +14,13 @@ Lengths come from a `LengthSource`: `StoreLengths` reads a `history.store.Histor
 
 The predictor also answers the engine's tail cost model (`remaining_tokens`): the expected
 number of tokens a live request still has to generate, given how many it already has, from the
-prompt's own past lengths (the empirical residual life E[L - n | L > n]).
+prompt's own past lengths (the empirical residual life E[L - n | L > n]), and the divided
+rollout's order a quantile of that same residual life (`remaining_quantile`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Hashable, Iterable, Mapping, Protocol, Sequence
 
@@ -185,6 +187,16 @@ class LengthPredictor:
 
   # ---- tail cost model hook -----------------------------------------------------------------
 
+  def _tables(self, key: Hashable) -> tuple:
+    """`suffix_sums` tables of every prompt's kept lengths and of `key`'s (cached until
+    `refresh`)."""
+    if self._all_lengths is None:
+      kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
+      self._all_lengths = suffix_sums(kept)
+    if key not in self._own_lengths:
+      self._own_lengths[key] = suffix_sums([l for _, l in self.source.epoch_lengths(key)])
+    return self._all_lengths, self._own_lengths[key]
+
   def remaining_tokens(self, key: Hashable, generated: int, max_new_tokens: int) -> float:
     """Expected tokens still to come for a live request of prompt `key` with `generated` tokens.
 
@@ -200,21 +212,52 @@ class LengthPredictor:
     room = max_new_tokens - generated
     if room <= 0:
       return 0.0
-    if self._all_lengths is None:
-      kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
-      self._all_lengths = suffix_sums(kept)
-    if key not in self._own_lengths:
-      self._own_lengths[key] = suffix_sums([l for _, l in self.source.epoch_lengths(key)])
-    n_every, sum_every = longer_than(self._all_lengths, generated)
+    every, own = self._tables(key)
+    n_every, sum_every = longer_than(every, generated)
     if not n_every:
       return max(room / 2, 1.0)
     # every prompt's residual life: all there is once the request outran its own lengths
     residual = sum_every / n_every - generated
-    n_own, sum_own = longer_than(self._own_lengths[key], generated)
+    n_own, sum_own = longer_than(own, generated)
     if n_own:
       k = self.residual_prior
       residual = (sum_own - n_own * generated + k * residual) / (n_own + k)
     return float(min(max(residual, 1.0), room))
+
+  def remaining_quantile(self, key: Hashable, generated: int, max_new_tokens: int,
+                         q: float) -> float:
+    """The q-quantile of the tokens still to come for a live request of prompt `key`.
+
+    The distribution is the one whose mean is `remaining_tokens`: L - n over the prompt's kept
+    lengths L > n, one sample each, mixed with every prompt's lengths L > n weighing
+    `residual_prior` samples in all. The smallest r in [1, max_new_tokens - n] whose share
+    of that mixture at or below r reaches q (the room when none does); half the room when the
+    request outran all history. An upper quantile ranks a prompt whose samples may run to the
+    cap by that risk, where the mean averages it away (`admission.ResidualPolicy`).
+    """
+    room = max_new_tokens - generated
+    if room <= 0:
+      return 0.0
+    every, own = (lengths for lengths, _ in self._tables(key))
+    start_every, start_own = (bisect.bisect_right(xs, generated) for xs in (every, own))
+    n_every, n_own = len(every) - start_every, len(own) - start_own
+    if not n_every:
+      return max(room / 2, 1.0)
+    k = self.residual_prior if n_own else 1.0  # the prior alone once the request outran its own
+
+    def share(r: int) -> float:  # the mixture's weight at L - n <= r
+      x = generated + r
+      return ((bisect.bisect_right(own, x) - start_own)
+              + k * (bisect.bisect_right(every, x) - start_every) / n_every) / (n_own + k)
+
+    lo, hi = 1, room  # smallest r in [lo, hi] with share(r) >= q, else the room
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if share(mid) >= q:
+        hi = mid
+      else:
+        lo = mid + 1
+    return float(lo)
 
   def remaining_work(self, live: Mapping[Hashable, tuple[Hashable, int, int]]) -> dict:
     """{request_id: expected remaining tokens} for live requests given as

@@ -10,7 +10,8 @@ import pytest
 from rhyme_jax.rollout.drafts import OracleDrafter
 from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
-from rhyme_jax.scheduling.admission import EngineOrder, make_policy
+from rhyme_jax.scheduling.admission import make_policy
+from rhyme_jax.scheduling.engine_order import EngineOrder
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 
 from tests.rollout.conftest import mixed_prompts

@@ -151,22 +151,32 @@ def test_bad_arguments_name_themselves():
     LengthTable().add("a", 0, [3, -1])
 
 
+def _random_histories(seed, count, lengths, group, priors):
+  """`count` random (table, prior, predictor, every kept length): up to 7 keys of 1-2 epochs,
+  group sizes in `group`, lengths in `lengths` (ties, empty groups)."""
+  rng = np.random.default_rng(seed)
+  for _ in range(count):
+    table = LengthTable(epochs_kept=2)
+    for key in range(int(rng.integers(1, 8))):
+      for epoch in range(int(rng.integers(1, 3))):
+        table.add(key, epoch, rng.integers(*lengths, int(rng.integers(*group))).tolist())
+    prior = float(rng.choice(priors))
+    every = np.concatenate([l for k in table.keys() for _, l in table.epoch_lengths(k)])
+    yield table, prior, LengthPredictor(table, residual_prior=prior), every
+
+
+def _own(table, key) -> np.ndarray:
+  own = [l for _, l in table.epoch_lengths(key)]
+  return np.concatenate(own) if own else np.zeros(0, np.int64)
+
+
 def test_remaining_tokens_matches_the_direct_formula_and_follows_refresh():
   """The sorted suffix-sum tables give exactly the direct E[L - n | L > n] shrunk toward every
   prompt's, on random histories (ties, empty groups, n past every length); the tables are
   kept until `refresh`, like the rank populations."""
-  rng = np.random.default_rng(3)
-  for _ in range(20):
-    table = LengthTable(epochs_kept=2)
-    for key in range(int(rng.integers(1, 8))):
-      for epoch in range(int(rng.integers(1, 3))):
-        table.add(key, epoch, rng.integers(0, 60, int(rng.integers(0, 9))).tolist())
-    prior = float(rng.choice([0.0, 2.0, 4.0]))
-    pred = LengthPredictor(table, residual_prior=prior)
-    every = np.concatenate([l for k in table.keys() for _, l in table.epoch_lengths(k)])
+  for table, prior, pred, every in _random_histories(3, 20, (0, 60), (0, 9), (0.0, 2.0, 4.0)):
     for key in range(9):
-      own = [l for _, l in table.epoch_lengths(key)]
-      own = np.concatenate(own) if own else np.zeros(0, np.int64)
+      own = _own(table, key)
       for n in range(0, 70, 7):
         room, beyond, mine = 64 - n, every[every > n], own[own > n]
         if room <= 0:
@@ -187,3 +197,47 @@ def test_remaining_tokens_matches_the_direct_formula_and_follows_refresh():
   assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)  # cached until refresh
   pred.refresh()
   assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(30.0)
+
+
+def test_remaining_quantile_hand_computed():
+  table = LengthTable()
+  table.add("a", 0, [10, 20, 30, 40])
+  table.add("b", 0, [5, 5, 100, 100])
+  own = LengthPredictor(table, residual_prior=0)  # the prompt's own lengths alone
+  assert own.remaining_quantile("a", 0, 256, 0.75) == 30.0  # 3 of 4 at or below 30
+  assert own.remaining_quantile("a", 0, 256, 0.76) == 40.0
+  assert own.remaining_quantile("a", 15, 256, 0.75) == 25.0  # L - 15 over {20, 30, 40}
+  assert own.remaining_quantile("a", 45, 256, 0.5) == 55.0  # outran its own: every prompt's
+  assert own.remaining_quantile("a", 150, 256, 0.5) == 53.0  # outran all: half the room
+  assert own.remaining_quantile("b", 0, 60, 0.75) == 60.0  # capped at the room
+  assert own.remaining_quantile("a", 60, 60, 0.75) == 0.0
+  # A prior of 4 samples over every prompt's 8 lengths (0.5 each) beside a's own 4 (1 each):
+  # at r = 30, 3 + 0.5 x 5 of 8 = 0.69; at r = 40, 4 + 0.5 x 6 = 0.875, the first >= 0.75.
+  mixed = LengthPredictor(table, residual_prior=4)
+  assert mixed.remaining_quantile("a", 0, 256, 0.75) == 40.0
+  assert mixed.remaining_quantile("b", 0, 256, 0.75) == 100.0  # 5 of 8 below 100
+
+
+def test_remaining_quantile_matches_a_weighted_quantile_of_the_mixture():
+  """On random histories: the smallest r >= 1 with at least q of the weight at L - n <= r,
+  where each own length above n weighs 1 and every prompt's lengths above n weigh
+  residual_prior in all (the distribution whose mean is `remaining_tokens`)."""
+  for table, prior, pred, every in _random_histories(11, 30, (1, 80), (1, 9), (0.0, 1.0, 4.0)):
+    for key in range(6):
+      own = _own(table, key)
+      for n in range(0, 90, 9):
+        for q in (0.25, 0.5, 0.75, 0.9):
+          room, beyond, mine = 80 - n, every[every > n] - n, own[own > n] - n
+          if room <= 0:
+            want = 0.0
+          elif not beyond.size:
+            want = max(room / 2, 1.0)
+          else:
+            k = prior if mine.size else 1.0
+            values = np.concatenate([mine, beyond])
+            weights = np.concatenate([np.ones(mine.size), np.full(beyond.size, k / beyond.size)])
+            shares = [weights[values <= r].sum() / weights.sum() for r in range(1, room + 1)]
+            want = float(next((r for r, w in zip(range(1, room + 1), shares)
+                               if w >= q - 1e-12), room))
+          got = pred.remaining_quantile(key, n, 80, q)
+          assert got == want, (key, n, q, got, want)

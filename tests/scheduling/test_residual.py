@@ -1,6 +1,7 @@
-"""history_residual (`admission.ResidualPolicy`): longest expected remaining work first, where a
-request that already ran is ranked by E[L - n | L > n] over its prompt's history; its KV cap;
-and the simulator's divided rollout with it (hand-computed schedule, KV dropped or kept)."""
+"""history_residual (`admission.ResidualPolicy`): longest remaining work first, where a request
+that already ran is ranked by its prompt's history of L - n given L > n: the mean (the
+hand-computed tests, `quantile=None`) or an upper quantile (the default); its KV cap; and the
+simulator's divided rollout with it (hand-computed schedule, KV dropped or kept)."""
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def _jobs(groups, prompt_len=0):
 
 def test_a_request_that_ran_long_is_predicted_long():
   pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
-  pol = ResidualPolicy(pred)
+  pol = ResidualPolicy(pred, quantile=None)
   a, b = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
   assert pol.remaining(a, 0) == pytest.approx(32.5) and pol.remaining(b, 0) == 40
   assert pol.remaining(a, 20) == 80  # its short siblings drop out: only the 100 outran 20
@@ -41,7 +42,7 @@ def test_a_request_that_ran_long_is_predicted_long():
   assert pol.next_to_admit([a, b], {}, {0: 20}) == 0  # a ran 20 tokens: 80 left beats 40
   assert pol.next_to_admit([a, b], {}, {1: 20}) == 0  # b ran 20: 20 left loses to 32.5
   # At its cap of started requests only a started one resumes.
-  capped = ResidualPolicy(pred, kv_budget=1)
+  capped = ResidualPolicy(pred, kv_budget=1, quantile=None)
   assert capped.next_to_admit([a, b], {}, {1: 20}) == 1
   assert capped.next_to_admit([a, b], {}, {}) == 1
   with pytest.raises(ValueError, match="kv_budget"):
@@ -62,12 +63,13 @@ def test_divided_rollout_hand_computed():
   assert hist.makespan_ms == 47.0 and hist.peak_started == 2
   # Residual: after 5 tokens p1 has 7 left, p0's unstarted 11.25, so p0 runs; its 30-token
   # sample shows itself at 5 tokens (25 left) and keeps a row to the end: 15 + 25 = 40.
-  res = simulate(jobs, lambda: make_policy("history_residual", predictor=pred), FLAT, cfg)
+  mean_rule = lambda: make_policy("history_residual", predictor=pred, residual_quantile=None)
+  res = simulate(jobs, mean_rule, FLAT, cfg)
   assert res.makespan_ms == 40.0 and res.peak_started == 4 and res.tokens == 69
   assert res.prefill_tokens == 0  # KV kept: resuming in place is free
   # Capped at 2 started requests it cannot displace p1: the static order's schedule.
-  capped = simulate(jobs, lambda: make_policy("history_residual", predictor=pred, kv_budget=2),
-                    FLAT, cfg)
+  capped = simulate(jobs, lambda: make_policy("history_residual", predictor=pred, kv_budget=2,
+                                                residual_quantile=None), FLAT, cfg)
   assert capped.makespan_ms == 47.0 and capped.peak_started == 2
   # KV dropped on yield: a displaced request re-prefills prompt + generated tokens on resuming
   # (the immediate resumptions of the static order stay free).
@@ -76,7 +78,7 @@ def test_divided_rollout_hand_computed():
   jobs_p = _jobs({"p1": truth["p1"], "p0": truth["p0"]}, prompt_len=3)
   hist_d = simulate(jobs_p, lambda: make_policy("history", predictor=pred), FLAT, drop)
   assert hist_d.prefill_tokens == 3 * len(jobs_p)
-  res_d = simulate(jobs_p, lambda: make_policy("history_residual", predictor=pred), FLAT, drop)
+  res_d = simulate(jobs_p, mean_rule, FLAT, drop)
   assert res_d.prefill_tokens > 3 * len(jobs_p) and res_d.makespan_ms > 40.0
   assert np.all(res_d.finish_ms > 0) and res_d.tokens == 69
 
@@ -85,13 +87,13 @@ def test_a_running_request_yields_to_more_expected_remaining_work():
   """should_yield (divided rollout): the running request gives way only when the queued pick
   is expected to need strictly more tokens than it still does."""
   pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
-  pol = ResidualPolicy(pred)
+  pol = ResidualPolicy(pred, quantile=None)
   fresh, running = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
   assert pol.should_yield([fresh], running, {}, {1: 20}, chunk=8)  # 32.5 vs 20 left
   assert not pol.should_yield([fresh], running, {}, {1: 5}, chunk=8)  # 32.5 vs 35 left
   # The engine's adapter asks the policy's rule with Requests.
   from rhyme_jax.rollout.interface import Request
-  from rhyme_jax.scheduling.admission import EngineOrder
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   order = EngineOrder(pol)
   reqs = [Request(0, [1], prompt_key="p0", group_id=0), Request(1, [1], prompt_key="p1",
                                                                 group_id=1)]
@@ -105,7 +107,7 @@ def test_a_costly_yield_needs_a_margin_of_more_remaining_work():
   than sqrt(Y x requests x mean expected length) - chunk tokens beyond the running one's."""
   pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
   fresh, running = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
-  pol = ResidualPolicy(pred, yield_cost=2.0)
+  pol = ResidualPolicy(pred, yield_cost=2.0, quantile=None)
   pol.order([fresh, running])  # 2 requests, mean expected length (32.5 + 40) / 2
   margin = np.sqrt(2.0 * 2 * 36.25) - 8
   assert pol.yield_margin(8) == pytest.approx(margin)  # ~4.04 tokens
@@ -133,7 +135,7 @@ def test_a_costly_yield_needs_a_margin_of_more_remaining_work():
     with pytest.raises(ValueError, match="yield_cost"):
       ResidualPolicy(pred, yield_cost=bad)
   # The engine hands its measured cost through the adapter; a static policy ignores it.
-  from rhyme_jax.scheduling.admission import EngineOrder
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   EngineOrder(pol).set_yield_cost(3.0)
   assert pol.yield_cost == 3.0
   EngineOrder(make_policy("fifo")).set_yield_cost(3.0)
@@ -148,8 +150,8 @@ def test_yields_stall_the_shard_in_the_simulator():
   runs = {}
   for cost in (0.0, 2.5):
     cfg = SimConfig(slots=1, buckets=(64, 1), divided=DividedRollout(8, yield_ms=cost))
-    runs[cost] = simulate(jobs, lambda: make_policy("history_residual", predictor=pred), FLAT,
-                          cfg)
+    runs[cost] = simulate(jobs, lambda: make_policy("history_residual", predictor=pred),
+                          FLAT, cfg)
     static = simulate(jobs, lambda: make_policy("fifo"), FLAT, cfg)
     assert static.yields == 0 and static.makespan_ms == 104
   assert runs[0.0].yields == runs[2.5].yields > 0
@@ -162,7 +164,7 @@ def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
   from rhyme_jax.rollout.divided import YieldRules, slots_to_yield
   from rhyme_jax.rollout.interface import Request
   from rhyme_jax.rollout.live import LiveRequest
-  from rhyme_jax.scheduling.admission import EngineOrder
+  from rhyme_jax.scheduling.engine_order import EngineOrder
   rng = np.random.default_rng(0)
   keys = [f"p{k}" for k in range(6)]
   pred = _predictor({k: rng.integers(5, 120, 4).tolist() for k in keys})
@@ -226,12 +228,48 @@ def test_next_to_admit_keys_follow_the_live_counts_and_the_metas():
   # or another meta under the same request id must be ranked afresh, as a fresh policy would.
   pred = _predictor({"p0": [10, 10, 10, 100], "p1": [40, 40, 40, 40]})
   a, b = RequestMeta(0, 0, "p0", 0, 1000), RequestMeta(1, 1, "p1", 1, 1000)
-  pol = ResidualPolicy(pred)
+  pol = ResidualPolicy(pred, quantile=None)
   pol.order([a, b])
   for live in ({}, {0: 20}, {}, {1: 20}, {0: 20, 1: 5}, {0: 100}, {}):
-    assert pol.next_to_admit([a, b], {}, live) == ResidualPolicy(pred).next_to_admit(
+    assert pol.next_to_admit([a, b], {}, live) == ResidualPolicy(pred, quantile=None).next_to_admit(
         [a, b], {}, live), live
   assert pol.next_to_admit([a, b], {}, {}) == 1  # p1's 40 beats p0's 32.5
   a_long = RequestMeta(0, 0, "p1", 0, 1000)  # request 0 again, now of the longer prompt
   assert pol.next_to_admit([a_long, b], {}, {}) == 0  # ties at 40: data order
   assert pol.next_to_admit([b, a_long], {}, {}) == 1
+
+
+def test_the_upper_quantile_starts_a_prompt_that_may_run_to_the_cap_first():
+  """A steady prompt (60 tokens each) has the longer mean; a risky one (half at 5, half at
+  100) the longer upper quartile. The default ranks by the quartile, so the risky samples
+  start first, and a long one among them does not end the rollout alone."""
+  history = {"steady": [60, 60, 60, 60], "risky": [5, 5, 100, 100]}
+  pred = _predictor(history)
+  steady, risky = RequestMeta(0, 0, "steady", 0, 1000), RequestMeta(1, 1, "risky", 1, 1000)
+  mean, quartile = ResidualPolicy(pred, quantile=None), ResidualPolicy(pred)
+  assert [m.prompt_key for m in mean.order([steady, risky])] == ["steady", "risky"]
+  assert [m.prompt_key for m in quartile.order([steady, risky])] == ["risky", "steady"]
+  assert int(quartile.remaining(risky, 0)) == 100 and int(quartile.remaining(steady, 0)) == 60
+  # Two rows, no divided rollout, this step's risky samples at 5 and 100: the mean starts the
+  # steady pair (both end at 60), then the risky one that runs to 160; the quartile starts
+  # the risky pair, the 5-token one frees its row for a steady sample (5 -> 65 -> 125).
+  jobs = _jobs({"steady": [60, 60], "risky": [5, 100]})
+  cfg = SimConfig(slots=2, buckets=(2, 1))
+  by_mean = simulate(jobs, lambda: make_policy("history_residual", predictor=pred,
+                                               residual_quantile=None), FLAT, cfg)
+  by_quartile = simulate(jobs, lambda: make_policy("history_residual", predictor=pred), FLAT,
+                         cfg)
+  assert (by_mean.makespan_ms, by_quartile.makespan_ms) == (160.0, 125.0)
+
+
+def test_equal_quantiles_rank_by_the_mean_and_bad_quantiles_name_themselves():
+  # Both prompts' upper quartiles are the cap (24); the one with the longer mean goes first,
+  # as with the mean alone, and the tie-break stays below one token.
+  pred = _predictor({"a": [3, 24, 24, 24], "b": [20, 24, 24, 24]})
+  a, b = RequestMeta(0, 0, "a", 0, 24), RequestMeta(1, 1, "b", 1, 24)
+  pol = ResidualPolicy(pred)
+  assert [m.prompt_key for m in pol.order([a, b])] == ["b", "a"]
+  assert 24 < pol.remaining(a, 0) < pol.remaining(b, 0) < 25
+  for bad in (0.0, 1.0, -0.5, 2.0):
+    with pytest.raises(ValueError, match="quantile"):
+      ResidualPolicy(pred, quantile=bad)

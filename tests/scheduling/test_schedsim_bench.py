@@ -107,16 +107,45 @@ def test_bad_told_cost_is_one_clear_error(bad, capsys):
   assert "--told_cost" in err and repr(bad) in err
 
 
+def _small_run(tmp_path, capsys, seed: int, *flags) -> list[list[str]]:
+  """The table rows of schedsim on a small synthetic trace (8 prompts x 4, 64-token cap)."""
+  trace = schedsim.synthetic_trace(seed, num_prompts=8, group_size=4, max_new_tokens=64)
+  schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
+  schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
+                 "--blind_draws", "0", *flags, "--no_append"])
+  return [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+          if line.startswith("| small")]
+
+
+@pytest.mark.parametrize("bad", ["0", "1", "1.5", "x", "median"])
+def test_bad_residual_quantile_is_one_clear_error(bad, capsys):
+  with pytest.raises(SystemExit):
+    schedsim.main([f"--residual_quantile={bad}", "--no_append"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--residual_quantile" in err and repr(bad) in err
+
+
+def test_residual_quantile_reaches_history_residual_and_its_references(tmp_path, capsys):
+  """--residual_quantile mean and 0.75 give history_residual different schedules on a trace
+  with spread-out lengths, in the policy rows and the divided-rollout reference rows alike
+  (whose history_residual column repeats the policy row's ratio)."""
+  got = {}
+  for q in ("mean", "0.75"):
+    rows = _small_run(tmp_path, capsys, 5, "--residual_quantile", q)
+    # (table, chunk, launch) -> makespan / oracle, and its yields
+    detail = {(r[1], r[3], r[4]): (r[12], r[10]) for r in rows
+              if len(r) == 15 and r[5] == "history_residual" and r[3] != "-"}
+    bounds = {(r[1], r[3], r[4]): r[5] for r in rows if len(r) == 13}
+    assert bounds and all(detail[k][0] == v for k, v in bounds.items())
+    got[q] = detail
+  assert got["mean"] != got["0.75"]
+
+
 def test_told_cost_scales_the_margin_history_residual_yields_to(tmp_path, capsys):
   """--told_cost multiplies the yield cost the order weighs: told a far dearer yield,
   history_residual yields less often (its margin grows with the cost)."""
-  trace = schedsim.synthetic_trace(3, num_prompts=8, group_size=4, max_new_tokens=64)
-  schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
   yields = {}
   for told in ("1", "10000"):
-    schedsim.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
-                   "--blind_draws", "0", "--told_cost", told, "--no_append"])
-    out = capsys.readouterr().out
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
+    rows = _small_run(tmp_path, capsys, 3, "--told_cost", told)
     yields[told] = sum(int(r[10]) for r in rows if len(r) == 15 and r[5] == "history_residual")
   assert yields["10000"] < yields["1"]
