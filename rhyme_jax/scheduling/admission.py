@@ -192,14 +192,14 @@ class ResidualPolicy:
   short siblings drop out of the conditional).
 
   `quantile` (default 0.75): rank by that quantile of the same remaining-length distribution
-  instead of its mean (`LengthPredictor.remaining_quantile`). A makespan is the latest
-  start + length, so a prompt whose samples may run to the cap must start early even when its
-  mean is short; the mean averages that risk away and admits such a sample last. On the
-  recorded H200 GRPO trace at 64 slots (44% of responses at the cap) the upper quartile
-  finished at 0.91 of the oracle's makespan against the mean's 0.975, and cut the tail vs
-  FIFO by 76% where the mean tripled it; on the GSM8K traces at 32 / 8 slots it is within
-  0.01 of the mean or better (bench/RESULTS.md, 2026-11-27). None: the mean, which at n = 0
-  is the prompt's mean history length, so without divided rollout it orders as "history".
+  (`LengthPredictor.remaining_quantile`), ties by its mean. A makespan is the latest start +
+  length, so a prompt whose samples may run to the cap must start early even when its mean is
+  short; the mean averages that risk away and admits such a sample last. In the simulator, on
+  the recorded H200 GRPO trace at 64 slots (44% of responses at the cap) the upper quartile
+  finished at 0.910 of the oracle's makespan against the mean's 0.975 and cut the tail vs
+  FIFO by 76% where the mean tripled it; on the GSM8K traces at 32 slots it is within 0.005 of
+  the mean (bench/RESULTS.md, 2026-11-27). None: the mean, which at n = 0 is the prompt's
+  mean history length, so without divided rollout it orders as "history" does.
 
   Ranking unstarted requests (a fresh E[L] each) against yielded ones starts nearly all of
   them early, so their KV is kept for more sequences than rows. `kv_budget` caps the started
@@ -288,14 +288,18 @@ class ResidualPolicy:
 
   def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
     """Whether a running request (tokens so far in `live`) should give its slot to the
-    request `next_to_admit` picks from `queue`: when that one has more expected remaining work
-    by over `yield_margin` (LRPT with a `chunk`-long quantum; at yield_cost 0, strictly more).
+    request `next_to_admit` picks from `queue`: when that one has more remaining work by over
+    `yield_margin` (LRPT with a `chunk`-long quantum; at yield_cost 0, strictly more; ranked by
+    a quantile, by a whole token at least: the mean's tie-break orders admissions only).
     The pick, its work and the margin are found once, for all the running requests asked while
     `queue` and `live` stay as they are (a kept rule's margin is a little larger than today's)."""
     best = queue[self.next_to_admit(queue, finished, live)]
     best_left = self.remaining(best, live.get(best.request_id, 0))
     margin = self.yield_margin(chunk, self.done_tokens(finished, live))
-    return lambda running: (best_left > self.remaining(running, live.get(running.request_id, 0))
+    whole = math.floor if self.quantile is not None else (lambda x: x)
+    best_left = whole(best_left)
+    return lambda running: (best_left > whole(self.remaining(running,
+                                                             live.get(running.request_id, 0)))
                             + margin)
 
   def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:

@@ -273,3 +273,15 @@ def test_equal_quantiles_rank_by_the_mean_and_bad_quantiles_name_themselves():
   for bad in (0.0, 1.0, -0.5, 2.0):
     with pytest.raises(ValueError, match="quantile"):
       ResidualPolicy(pred, quantile=bad)
+
+
+def test_equal_quantiles_never_make_a_running_request_yield():
+  # The queued sample ranks above the running one by the mean's tie-break alone (both upper
+  # quartiles are the cap): admissions follow it, but no yield is made for less than a token.
+  pred = _predictor({"a": [3, 24, 24, 24], "b": [20, 24, 24, 24]})
+  queued, running = RequestMeta(1, 1, "b", 1, 24), RequestMeta(0, 0, "a", 0, 24)
+  pol = ResidualPolicy(pred)
+  pol.order([running, queued])
+  assert pol.remaining(queued, 0) > pol.remaining(running, 0)
+  assert not pol.should_yield([queued], running, {}, {0: 0}, chunk=8)
+  assert ResidualPolicy(pred, quantile=None).should_yield([queued], running, {}, {0: 0}, chunk=8)
