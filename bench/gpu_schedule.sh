@@ -7,11 +7,13 @@
 #
 # Most telling first, so that a lease cut short loses the least:
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
-#    residual+divided / oracle, at MULTI_STEP (default 4) steps per launch, on the first prompt
-#    set of OFFSETS (default "16 0": prompts 16-31, 70% tail cut with the old yield margin,
-#    94% on 1 x H100 2026-11-27 with the new one), REPEATS times (default 5: a rollout takes ~3 s, compiling ~2 min; the notes
-#    give each repeat's tail cut and their median): wall-clock makespan and tail against the
-#    oracle's (the scheduling issue's targets), host ms per decode step by part.
+#    residual+divided (ranked by the upper quartile since 2026-11-27) / residual+divided+mean
+#    (the mean it ranked by before) / oracle, at MULTI_STEP (default 4) steps per launch, on
+#    the first prompt set of OFFSETS (default "16 0": prompts 16-31, 70% tail cut with the old
+#    yield margin, 94% on 1 x H100 2026-11-27 with the new one and the mean), REPEATS times
+#    (default 5: a rollout takes ~3 s, compiling ~2 min; the notes give each repeat's tail cut
+#    and their median): wall-clock makespan and tail against the oracle's (the scheduling
+#    issue's targets), host ms per decode step by part.
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
 #    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
@@ -54,7 +56,8 @@ keep() { cp bench/RESULTS.md "$OUT/RESULTS.md"; }
 
 schedule_engine() {  # step 1's command; further schedule_engine flags as arguments
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
-    --max_new_tokens 256 --policies fifo,residual+divided,oracle --compile_threads 8 "$@"
+    --max_new_tokens 256 --policies fifo,residual+divided,residual+divided+mean,oracle \
+    --compile_threads 8 "$@"
 }
 engine() {  # engine OFFSET STEPS_PER_LAUNCH: one recorded run of step 1
   schedule_engine --repeats "$REPEATS" --prompt_offset "$1" --multi_step "$2" --note "$NOTE" \
