@@ -296,11 +296,10 @@ class ResidualPolicy:
     best = queue[self.next_to_admit(queue, finished, live)]
     best_left = self.remaining(best, live.get(best.request_id, 0))
     margin = self.yield_margin(chunk, self.done_tokens(finished, live))
-    whole = math.floor if self.quantile is not None else (lambda x: x)
-    best_left = whole(best_left)
-    return lambda running: (best_left > whole(self.remaining(running,
-                                                             live.get(running.request_id, 0)))
-                            + margin)
+    left = lambda running: self.remaining(running, live.get(running.request_id, 0))
+    if self.quantile is None:
+      return lambda running: best_left > left(running) + margin
+    return lambda running: math.floor(best_left) > math.floor(left(running)) + margin
 
   def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:
     """`yield_rule` for one running request."""
