@@ -52,7 +52,8 @@ from bench.schedsim_scenarios import scenarios, shard_plan, slot_counts  # noqa:
 from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # noqa: E402,F401
                                    load_trace, split_groups, step_jobs, synthetic_trace,
                                    trace_cases, write_trace)
-from rhyme_jax.scheduling.admission import StaticPolicy, make_policy  # noqa: E402
+from rhyme_jax.scheduling.admission import (RESIDUAL_QUANTILE, StaticPolicy,  # noqa: E402
+                                            make_policy)
 from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E402
                                            simulate)
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
@@ -279,7 +280,7 @@ def main(argv=None) -> None:
                   help="the yield cost history_residual is told, as a multiple of a pass of one "
                        "yield (1: what the engine tells it; below 1, a pass's yields sharing its "
                        "copy calls; a sensitivity check of the margin rule)")
-  ap.add_argument("--residual_quantile", type=_quantile, default=0.75,
+  ap.add_argument("--residual_quantile", type=_quantile, default=RESIDUAL_QUANTILE,
                   help="the quantile of remaining work history_residual ranks by, or 'mean' "
                        "(ResidualPolicy; default: its default)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")

@@ -23,7 +23,8 @@ import collections
 import numpy as np
 
 from bench.schedsim_grpo import StepCase
-from rhyme_jax.scheduling.admission import ResidualPolicy, StaticPolicy, make_policy
+from rhyme_jax.scheduling.admission import (RESIDUAL_QUANTILE, ResidualPolicy, StaticPolicy,
+                                            make_policy)
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 from rhyme_jax.scheduling.simulate import simulate
 
@@ -103,7 +104,8 @@ BOUNDS = ("history_residual", "rescaled_history", "own_lengths", "clairvoyant")
 
 
 def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
-                   residual_quantile: float | None = 0.75, known: dict | None = None) -> dict:
+                   residual_quantile: float | None = RESIDUAL_QUANTILE,
+                   known: dict | None = None) -> dict:
   """{name: (makespan / oracle, tail cut vs FIFO)} summed over the cases, for history_residual
   and the three references (`BOUNDS`) under `cfg`'s divided rollout; the oracle and FIFO are
   the same non-preemptive orders as in the policy tables; every residual rule ranks by

@@ -32,6 +32,9 @@ import numpy as np
 
 from rhyme_jax.scheduling.predictor import LengthPredictor
 
+# history_residual ranks remaining work by this quantile (ResidualPolicy; None: the mean)
+RESIDUAL_QUANTILE = 0.75
+
 POLICIES = ("fifo", "random", "history", "history_alt", "probe", "history_probe",
             "history_residual", "oracle")
 
@@ -229,7 +232,7 @@ class ResidualPolicy:
   stable_rule = True
 
   def __init__(self, predictor: LengthPredictor, kv_budget: int | None = None,
-               yield_cost: float = 0.0, quantile: float | None = 0.75):
+               yield_cost: float = 0.0, quantile: float | None = RESIDUAL_QUANTILE):
     if kv_budget is not None and kv_budget < 1:
       raise ValueError(f"ResidualPolicy: kv_budget={kv_budget}: must be >= 1 or None")
     if quantile is not None and not 0 < quantile < 1:
@@ -338,7 +341,7 @@ class ResidualPolicy:
 def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,
                 seed: int = 0, true_lengths: Mapping[int, int] | None = None,
                 kv_budget: int | None = None, yield_cost: float = 0.0,
-                residual_quantile: float | None = 0.75) -> AdmissionPolicy:
+                residual_quantile: float | None = RESIDUAL_QUANTILE) -> AdmissionPolicy:
   """A policy by name (one of POLICIES); names the missing input when one is needed.
   `kv_budget`, `yield_cost`, `residual_quantile`: "history_residual"'s cap on
   started-and-unfinished requests, the cost of a yield in decode steps and the quantile of

@@ -250,14 +250,8 @@ class LengthPredictor:
       return ((bisect.bisect_right(own, x) - start_own)
               + k * (bisect.bisect_right(every, x) - start_every) / n_every) / (n_own + k)
 
-    lo, hi = 1, room  # smallest r in [lo, hi] with share(r) >= q, else the room
-    while lo < hi:
-      mid = (lo + hi) // 2
-      if share(mid) >= q:
-        hi = mid
-      else:
-        lo = mid + 1
-    return float(lo)
+    # the smallest r in [1, room] with share(r) >= q (share grows with r), else the room
+    return float(min(bisect.bisect_left(range(1, room + 1), q, key=share) + 1, room))
 
   def remaining_work(self, live: Mapping[Hashable, tuple[Hashable, int, int]]) -> dict:
     """{request_id: expected remaining tokens} for live requests given as
