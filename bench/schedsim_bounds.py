@@ -72,8 +72,9 @@ class ClairvoyantResidual(ResidualPolicy):
     super().__init__(predictor=None, yield_cost=yield_cost, quantile=None)
     self.true_lengths = true_lengths
 
-  def remaining(self, meta, generated: int) -> float:
-    return float(max(self.true_lengths[meta.request_id] - generated, 0))
+  def estimate(self, meta, generated: int) -> tuple[float, float]:
+    left = float(max(self.true_lengths[meta.request_id] - generated, 0))
+    return left, left
 
 
 def rescaled_predictor(case: StepCase) -> LengthPredictor:

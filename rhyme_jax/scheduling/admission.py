@@ -239,7 +239,7 @@ class ResidualPolicy:
       raise ValueError(f"ResidualPolicy: quantile={quantile}: must be in (0, 1) or None")
     self.predictor, self.kv_budget, self.quantile = predictor, kv_budget, quantile
     self.set_yield_cost(yield_cost)
-    self._cache: dict[tuple[Hashable, int, int], float] = {}
+    self._cache: dict[tuple[Hashable, int, int], tuple[float, float]] = {}
     self._keys: dict[int, tuple[RequestMeta, int, tuple[float, int]]] = {}  # next_to_admit's
     self._work = (0, 0.0)  # (requests, mean expected length) of the last `order`
     self._ids: frozenset = frozenset()  # its request ids
@@ -266,25 +266,26 @@ class ResidualPolicy:
     """The request's remaining work as ranked: the mean where `quantile` is None, else the
     quantile (whole tokens) plus mean / (cap + 1), below one token: equal quantiles (every
     prompt's samples may run to the cap) rank by the mean."""
+    return self.estimate(meta, generated)[1]
+
+  def estimate(self, meta: RequestMeta, generated: int) -> tuple[float, float]:
+    """(mean remaining tokens, remaining work as ranked), kept per (prompt, tokens, cap)."""
     k = (meta.prompt_key, generated, meta.max_new_tokens)
-    left = self._cache.get(k)
-    if left is None:
+    est = self._cache.get(k)
+    if est is None:
       cap = meta.max_new_tokens or (1 << 30)
-      left = self.predictor.remaining_tokens(meta.prompt_key, int(generated), cap)
+      mean = ranked = self.predictor.remaining_tokens(meta.prompt_key, int(generated), cap)
       if self.quantile is not None:
-        left = (self.predictor.remaining_quantile(meta.prompt_key, int(generated), cap,
-                                                  self.quantile) + left / (cap + 1))
-      self._cache[k] = left
-    return left
+        ranked = (self.predictor.remaining_quantile(meta.prompt_key, int(generated), cap,
+                                                    self.quantile) + mean / (cap + 1))
+      est = self._cache[k] = (mean, ranked)
+    return est
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
     self._cache, self._keys = {}, {}
     self._ids = frozenset(m.request_id for m in queue)
-    ranked = [self.remaining(m, 0) for m in queue]
     # the work the yield margin weighs is the expected (mean) one, however requests rank
-    expected = ranked if self.quantile is None else [
-        self.predictor.remaining_tokens(m.prompt_key, 0, m.max_new_tokens or (1 << 30))
-        for m in queue]
+    expected, ranked = zip(*[self.estimate(m, 0) for m in queue]) if queue else ((), ())
     self._work = (len(queue), float(np.mean(expected)) if expected else 0.0)
     perm = longest_first(ranked, [m.index for m in queue])
     return [queue[i] for i in perm]
