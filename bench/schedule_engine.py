@@ -60,7 +60,7 @@ from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
-from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
+from rhyme_jax.scheduling.admission import RESIDUAL_QUANTILE, make_policy  # noqa: E402
 from rhyme_jax.scheduling.engine_order import EngineOrder  # noqa: E402
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable  # noqa: E402
 from rhyme_jax.scheduling.simulate import tail_time  # noqa: E402
@@ -270,7 +270,7 @@ def main(argv=None):
     else:
       policy = make_policy({"residual": "history_residual"}.get(base, base),
                            predictor=predictor if base != "fifo" else None,
-                           **({"residual_quantile": None} if name.endswith("+mean") else {}))
+                           residual_quantile=None if name.endswith("+mean") else RESIDUAL_QUANTILE)
     if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
       policy.set_yield_cost = lambda steps: None
     if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units
