@@ -62,6 +62,23 @@ def test_a_profile_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
   assert schedule_engine.parse_args([f"--profile={tmp_path}"]).profile == str(tmp_path)
 
 
+def test_modelled_finish_puts_each_response_at_the_modelled_end_of_its_step():
+  """A response finishes while its step's outputs are read (after the step's timeline entry):
+  its modelled finish is the warm-up time of every launch up to that one, each launch's steps
+  at their shape's time, plus the yields' copies dispatched before them (fixed per pass that
+  yields, and per yield)."""
+  import types
+  warm = {"a": 1.0, "b": 2.0}
+  cost = types.SimpleNamespace(fixed=0.5, per_row=0.25)
+  timeline = [(1.1, "a", 0, 4, 0, 0.1, 1),   # 1
+              (2.3, "b", 2, 0, 0, 0.1, 1),   # 2 + 0.5 + 2 x 0.25 = 3
+              (9.0, "a", 0, 0, 1, 0.1, 4),   # 4 steps: 4
+              (9.9, "a", 0, 0, 0, 0.1, 1)]   # 1
+  finish = np.array([1.15, 2.31, 9.5, 9.0, 9.95])  # read in entries 0, 1, 2, 2, 3
+  got = schedule_engine.modelled_finish(timeline, warm, cost, finish)
+  assert got == pytest.approx([1.0, 4.0, 8.0, 8.0, 9.0])
+
+
 def test_host_parts_split_host_time_per_step():
   """Dispatch, admissions, yields and reading per decode step; `other` is what is left of the
   host time; CPU is the thread's own time, apart."""
@@ -103,7 +120,7 @@ def test_gpu_script_names_a_missing_input_and_passes_shellcheck(tmp_path):
 def test_by_repeat_pairs_each_policy_with_the_same_repeats_references():
   """Makespan / oracle and tail cut vs FIFO within each repeat, never across repeats (the
   fastest-run table may pair runs of different repeats), and their median in the notes."""
-  row = lambda makespan, tail: dict(makespan=makespan, tail=tail)
+  row = lambda makespan, tail: dict(makespan=makespan, tail=tail, modelled_tail=tail / 2)
   reps = [dict(fifo=row(10.0, 2.0), divided=row(9.0, 0.4), oracle=row(9.0, 0.5)),
           dict(fifo=row(11.0, 1.0), divided=row(10.0, 0.5), oracle=row(8.0, 0.2)),
           dict(fifo=row(10.0, 4.0), divided=row(8.0, 0.4), oracle=row(8.0, 1.0))]
@@ -111,6 +128,7 @@ def test_by_repeat_pairs_each_policy_with_the_same_repeats_references():
   assert got["divided"]["makespan / oracle"] == pytest.approx([1.0, 1.25, 1.0])
   assert got["divided"]["tail cut vs fifo"] == pytest.approx([0.8, 0.5, 0.9])
   assert got["oracle"]["tail cut vs fifo"] == pytest.approx([0.75, 0.8, 0.75])
+  assert got["divided"]["modelled tail cut vs fifo"] == pytest.approx([0.8, 0.5, 0.9])
   lines = schedule_engine.describe_repeats(got)
   assert ("divided, tail cut vs fifo by repeat (same repeat's runs): 80%, 50%, 90%; median 80%"
           in lines)
