@@ -25,8 +25,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
                     order samples the same tokens), without division
 
 Reports per policy: makespan (rollout start to its last response), tail (the time to finish
-the last 10% of responses; also on the modelled clock, `modelled_finish`), slot utilisation (live rows / rows over decode steps), makespan and
-tail against the oracle's, tail cut vs FIFO, yields and the passes that made them (one copy call
+the last 10% of responses; also on the modelled clock, `modelled_finish`), slot utilisation
+(live rows / rows over decode steps), makespan and tail against the oracle's, tail cut vs FIFO, yields and the passes that made them (one copy call
 each way per pass), most requests parked at once, host time per decode step outside blocking
 reads and the number of those reads, wall time beyond the modelled step times split by what
 came before each step (`excess_by_event`), and the CRC32 of all sampled tokens, equal across
