@@ -24,13 +24,13 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
   oracle            epoch 1's true lengths, longest first (known from the fifo run: every
                     order samples the same tokens), without division
 
-Reports per policy: makespan (rollout start to its last response), tail (the time to finish
-the last 10% of responses; also on the modelled clock, `modelled_finish`), slot utilisation
-(live rows / rows over decode steps), makespan and tail against the oracle's, tail cut vs FIFO, yields and the passes that made them (one copy call
-each way per pass), most requests parked at once, host time per decode step outside blocking
-reads and the number of those reads, wall time beyond the modelled step times split by what
-came before each step (`excess_by_event`), and the CRC32 of all sampled tokens, equal across
-policies (the order never changes what is sampled).
+Reports per policy: makespan (rollout start to its last response), tail (the time to finish the
+last 10% of responses; also on the modelled clock, `modelled_finish`), slot utilisation (live
+rows / rows over decode steps), makespan and tail against the oracle's, tail cut vs FIFO,
+yields and the passes that made them (one copy call each way per pass), most requests parked at
+once, host time per decode step outside blocking reads and the number of those reads, wall time
+beyond the modelled step times split by what came before each step (`excess_by_event`), and the
+CRC32 of all sampled tokens, equal across policies (the order never changes what is sampled).
 Policies run in the order given, one after another on an idle machine; `--repeats` runs the
 whole list again and keeps each policy's fastest run; with several, the notes also give each
 policy's makespan / oracle and tail cut vs FIFO within each repeat, and their median.
