@@ -1,5 +1,6 @@
-"""bench/schedule_engine.py's flags: a bad value is one line naming the flag, before any model
-is loaded."""
+"""bench/schedule_engine.py's flags (a bad value is one line naming the flag, before any model
+is loaded), its per-repeat figures, and bench/engine_timeline.py's reading of the step
+timeline."""
 
 import os
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from bench import schedule_engine  # noqa: E402
+from bench import engine_timeline, schedule_engine  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -43,13 +44,13 @@ def test_excess_by_event_splits_wall_time_beyond_warm_up_by_what_came_before():
               (4.75, "b", 2, 0, 1, 0.4, 1),   # yields only, +0.25
               (6.0, "a", 1, 3, 0, 0.3, 1),    # prefill with a yield: prefill, +0.25
               (6.9, "a", 0, 0, 0, 0.2, 1)]    # plain, -0.1
-  got = schedule_engine.excess_by_event(timeline, warm)
+  got = engine_timeline.excess_by_event(timeline, warm)
   assert got == pytest.approx(dict(plain=-0.1, prefill=0.75, yields=0.25))
   four = timeline[:1] + [(6.5, "a", 0, 0, 0, 0.1, 4)]  # 4 plain steps in 5 s: +1
-  assert schedule_engine.excess_by_event(four, warm)["plain"] == pytest.approx(1.0)
-  host = schedule_engine.host_by_event(timeline)
+  assert engine_timeline.excess_by_event(four, warm)["plain"] == pytest.approx(1.0)
+  host = engine_timeline.host_by_event(timeline)
   assert host == pytest.approx(dict(plain=0.15, prefill=0.4, yields=0.4))
-  assert np.isnan(schedule_engine.host_by_event(timeline[:2])["yields"])
+  assert np.isnan(engine_timeline.host_by_event(timeline[:2])["yields"])
 
 
 def test_a_profile_path_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
@@ -75,7 +76,7 @@ def test_modelled_finish_puts_each_response_at_the_modelled_end_of_its_step():
               (9.0, "a", 0, 0, 1, 0.1, 4),   # 4 steps: 4
               (9.9, "a", 0, 0, 0, 0.1, 1)]   # 1
   finish = np.array([1.15, 2.31, 9.5, 9.0, 9.95])  # read in entries 0, 1, 2, 2, 3
-  got = schedule_engine.modelled_finish(timeline, warm, cost, finish)
+  got = engine_timeline.modelled_finish(timeline, warm, cost, finish)
   assert got == pytest.approx([1.0, 4.0, 8.0, 8.0, 9.0])
 
 
@@ -85,10 +86,10 @@ def test_host_parts_split_host_time_per_step():
   from rhyme_jax.rollout.interface import EngineStats
   st = EngineStats(steps=10, total_time_s=1.0, device_time_s=0.4, dispatch_time_s=0.2,
                    prefill_time_s=0.1, yield_time_s=0.05, read_time_s=0.15, cpu_time_s=0.5)
-  got = schedule_engine.host_parts_ms(st)
+  got = engine_timeline.host_parts_ms(st)
   assert got == pytest.approx(dict(dispatch=20.0, admit=10.0, yields=5.0, read=15.0,
                                    other=10.0, CPU=50.0))
-  assert tuple(got) == schedule_engine.HOST_PARTS
+  assert tuple(got) == engine_timeline.HOST_PARTS
 
 
 def test_profiled_names_the_busiest_function():
