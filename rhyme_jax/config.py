@@ -85,6 +85,7 @@ class RolloutOptions:
   park_rows: int  # divided rollout: device KV rows for requests that yielded (EngineConfig)
   compile_threads: int  # warm-up compiles the step shapes in this many threads (0: auto)
   multi_step: int  # plain decode steps per engine launch (EngineConfig.multi_step)
+  history_epochs: int  # past epochs kept per prompt (history.store.HistoryStore.epochs_kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,13 @@ _FLAGS = {
          "row, for accelerators where the host's per-step work nears the device's step time. "
          "A request ending inside a call computes the rest of it for nothing. Never changes "
          "what is sampled."),
+        ("history_epochs", 1, "Past epochs of responses the history store keeps per prompt: "
+         "HistoSpec drafts from all of them (newer weigh more) and a history --schedule "
+         "predicts lengths from all of them (ranks averaged, newer weigh more). 1 = the "
+         "prompt's last visit (RhymeRL); more predicts lengths better where they are noisy "
+         "(bench/RESULTS.md, --epochs_kept of bench/schedsim.py) for that many times the host "
+         "memory. Fixed for a run (its checkpoints hold the store). Never changes what is "
+         "sampled."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -392,6 +400,7 @@ def validate(c: Config) -> None:
   _at_least("divide_every", r.divide_every, 0)
   _at_least("park_rows", r.park_rows, 0)
   _at_least("compile_threads", r.compile_threads, 0)
+  _at_least("history_epochs", r.history_epochs, 1)
   if not 1 <= r.multi_step <= MAX_MULTI_STEP:
     _fail("multi_step", r.multi_step, f"in [1, {MAX_MULTI_STEP}]")
   if r.divide_every and not r.park_rows:

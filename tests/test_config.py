@@ -80,6 +80,7 @@ def test_quickstart_is_small():
     ("--compile_threads=-2", "--compile_threads=-2: expected an integer >= 0"),
     ("--multi_step=0", "--multi_step=0: expected in [1, 64]"),
     ("--multi_step=65", "--multi_step=65: expected in [1, 64]"),
+    ("--history_epochs=0", "--history_epochs=0: expected an integer >= 1"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:

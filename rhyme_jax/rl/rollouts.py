@@ -102,7 +102,7 @@ class Rollouts:
     self.process_index, self.process_count = process_index, process_count
     self.scorer = scorer
     history = c.rollout.spec == "histospec" or c.rollout.schedule != "fifo"
-    self.store = HistoryStore() if history else None
+    self.store = HistoryStore(c.rollout.history_epochs) if history else None
     self.predictor = (LengthPredictor(StoreLengths(self.store))
                       if c.rollout.schedule != "fifo" else None)
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)

@@ -34,6 +34,26 @@ def test_engine_config_shapes():
   assert e.multi_step == 1 and engine_config(_config("--multi_step=4"), (2,), True).multi_step == 4
 
 
+def test_history_epochs_sets_what_the_store_keeps_for_drafts_and_lengths(tmp_path,
+                                                                          smollm2_tokenizer):
+  """--history_epochs: the store (HistoSpec's drafts, the schedule's length predictions) keeps
+  that many past epochs per prompt, the oldest dropped; fixed for a run (its checkpoints hold
+  the store), so a resume cannot change it."""
+  from rhyme_jax.config import RESUMABLE_CHANGES
+  model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
+  scorer = Scorer(smollm2_tokenizer, get_reward_fn("format"), 6)
+  record = lambda epoch, n: GroupRecord("u", "k", epoch, [np.arange(n, dtype=np.int32)] * 4,
+                                        [0.0] * 4, [None] * 4, ["length"] * 4)
+  for flags, kept, left in ((("--schedule=history",), [2], 5.0),
+                            (("--history_epochs=2", "--schedule=history"), [1, 2], 4.5)):
+    rollouts = Rollouts(_config(*flags), model, smollm2_tokenizer, scorer)
+    rollouts.record([record(0, 3), record(1, 4), record(2, 5)])
+    assert [e for e, _ in rollouts.store.epoch_lengths("k")] == kept
+    rollouts.predictor.refresh()  # lengths 5 (and 4): the expected length over those kept
+    assert rollouts.predictor.remaining_tokens("k", 0, 6) == left
+  assert "rollout.history_epochs" not in RESUMABLE_CHANGES
+
+
 def test_sample_round_is_deterministic_scored_and_recorded(tmp_path, smollm2_tokenizer):
   tok = smollm2_tokenizer
   model, _ = load_model(train_entry.write_tiny_llama(str(tmp_path / "tiny")))
