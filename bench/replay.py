@@ -84,6 +84,8 @@ def parse_args(argv=None):
                       "(HistoryDrafter(parallel=True); same trees)")
   p.add_argument("--repeats", type=int, default=3,
                  help="timed replays per row after a warm-up one; the median us/query is reported")
+  p.add_argument("--epochs_kept", type=int, default=1,
+                 help="past epochs the store keeps per prompt (the trainer's --history_epochs)")
   p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
   p.add_argument("--note", action="append", default=[])
   args = p.parse_args(argv)
@@ -93,8 +95,8 @@ def parse_args(argv=None):
     bad = [x for x in got if x not in known]
     if bad or (not got and (flag == "modes" or not args.grpo_dir)):
       p.error(f"--{flag}: unknown {bad or 'empty list'}; choose from {tuple(known)}")
-  if args.budget < 1 or args.live_rows < 1 or args.repeats < 1:
-    p.error("--budget, --live_rows and --repeats must be >= 1")
+  if min(args.budget, args.live_rows, args.repeats, args.epochs_kept) < 1:
+    p.error("--budget, --live_rows, --repeats and --epochs_kept must be >= 1")
   return args
 
 
@@ -131,7 +133,8 @@ def grpo_cases(args, notes: list) -> list:
   notes.append(f"GRPO run: {args.grpo_dir} ({first.get('task')}, {first.get('model')}, T="
                f"{first.get('temperature')}, G={first.get('group_size')}, max "
                f"{first.get('max_new_tokens')} new tokens); target = data epoch e, history = "
-               "the epochs before it as the trainer keeps them (HistoryStore defaults)")
+               f"the epochs before it as the trainer keeps them (the last {args.epochs_kept} "
+               "per prompt: --epochs_kept, the trainer's --history_epochs)")
   return [(f"GRPO e{e}", rec, [epochs[k] for k in epochs if k < e])
           for e, rec in epochs.items() if e > min(epochs)]
 
@@ -149,7 +152,7 @@ def main(argv=None):
              + (["both (Python reference)"] if args.reference else []))
     for mode in args.modes + extra:
       make = lambda: HistoryDrafter(
-          HistoryStore(), use_history=mode != "siblings", use_siblings=mode != "history",
+          HistoryStore(args.epochs_kept), use_history=mode != "siblings", use_siblings=mode != "history",
           max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match,
           compiled="reference" not in mode, parallel="threads" in mode)
       if "reference" not in mode:  # compile / warm up first
