@@ -152,9 +152,9 @@ def main(argv=None):
              + (["both (Python reference)"] if args.reference else []))
     for mode in args.modes + extra:
       make = lambda: HistoryDrafter(
-          HistoryStore(args.epochs_kept), use_history=mode != "siblings", use_siblings=mode != "history",
-          max_budget=args.budget, min_prob=args.min_prob, max_match=args.max_match,
-          compiled="reference" not in mode, parallel="threads" in mode)
+          HistoryStore(args.epochs_kept), use_history=mode != "siblings",
+          use_siblings=mode != "history", max_budget=args.budget, min_prob=args.min_prob,
+          max_match=args.max_match, compiled="reference" not in mode, parallel="threads" in mode)
       if "reference" not in mode:  # compile / warm up first
         replay_epochs(make, history, target, budget=args.budget, live_rows=args.live_rows)
       t0 = time.perf_counter()
