@@ -54,8 +54,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-# host_by_event is read from here by bench/divided_host.py, in older checkouts too
-from bench.engine_timeline import (  # noqa: E402,F401
+# bench/divided_host.py reads host_by_event and host_parts_ms from this module (older
+# checkouts define them here)
+from bench.engine_timeline import (  # noqa: E402
     HOST_PARTS, excess_by_event, host_by_event, host_parts_ms, modelled_finish)
 from bench.histospec import MODEL_NAME, gsm8k_prompts  # noqa: E402
 from rhyme_jax.history.store import prompt_key  # noqa: E402
