@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # GPU figures of rollout scheduling, shared prompt prefill and multi-step launches, in one go
-# (~15 min on 1 x H100; steps 1-3 took 7.5 min on 2026-11-27, the pip install included):
+# (~15 min on 1 x H100; steps 1 and 2 took 7.5 min on 2026-11-28, warm-up compiles included):
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf RHYME_JAX_GSM8K_DIR=/path/to/gsm8k \
 #     OUT=/tmp/gpu_out bash bench/gpu_schedule.sh
 #
 # Most telling first, so that a lease cut short loses the least:
 # 1. bench/schedule_engine.py, 16 GSM8K prompts x G=8 through 32 slots, fifo /
-#    residual+divided (ranked by the upper quartile since 2026-11-27) / residual+divided+mean
-#    (the mean it ranked by before) / oracle, at MULTI_STEP (default 4) steps per launch, on
-#    the first prompt set of OFFSETS (default "16 0": prompts 16-31, 70% tail cut with the old
-#    yield margin, 94% on 1 x H100 2026-11-27 with the new one and the mean), REPEATS times
-#    (default 5: a rollout takes ~3 s, compiling ~2 min; the notes give each repeat's tail cut
-#    and their median): wall-clock makespan and tail against the oracle's (the scheduling
-#    issue's targets), host ms per decode step by part.
+#    residual+divided (ranked by the upper quartile) / oracle, at MULTI_STEP (default 4) steps
+#    per launch, on the first prompt set of OFFSETS (default "16 0": prompts 16-31; on 1 x H100
+#    2026-11-28 tail cut 94% in each of 5 repeats, makespan / oracle 0.943, and prompts 0-15
+#    95%, 0.975), REPEATS times (default 5: a rollout takes ~3 s, compiling ~2 min; the notes
+#    give each repeat's tail cut and their median): wall-clock makespan and tail against the
+#    oracle's (the scheduling issue's targets), host ms per decode step by part.
+# 1b. the same at 64 slots for the 128 requests (SLOTS_WIDE, default 64; "" skips it), the
+#    shape of the simulator's H200-trace scenario: on 1 x H100 2026-11-28 (2 repeats) the tail
+#    cut was 72-74% on the wall clock and 85% on the modelled one, the one GPU shape short of
+#    the 75% target; REPEATS repeats give its median.
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
 #    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
 # 3. bench/prefill_share.py, 8 GSM8K prompts x G=8 in 64 slots, 256 new tokens: a group's
 #    prompt prefilled once and copied to its samples against a prefill per request (~1 min).
 # 4. step 1 on the other prompt sets of OFFSETS, then at 1 step per launch on prompts 0-15
-#    (~3 min each; these were measured on 2026-11-27 and are re-checks).
-# A lease's call runs at most 10 minutes, about steps 1-3: SKIP_ENGINE=1 runs steps 2-3 (and
-# the host benches) without the others, in a call of its own.
+#    (~3-4 min each; these were measured on 2026-11-27/28 and are re-checks).
+# A lease's call runs at most 10 minutes, about steps 1 and 1b: SKIP_ENGINE=1 runs steps 2-3
+# (and the host benches) without the others, in a call of its own.
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
 # 5. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
@@ -39,7 +42,7 @@
 # RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
 # at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
 # of these benches. A lease brings back at most 8 files from $OUT: this script leaves at most
-# 7 (RESULTS.md, three engine logs, bucket_moves.log, and with HOST_BENCHES host_benches.log
+# 8 (RESULTS.md, four engine logs, bucket_moves.log, and with HOST_BENCHES host_benches.log
 # and profiles.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,19 +58,22 @@ export RHYME_JAX_GSM8K_DIR
 keep() { cp bench/RESULTS.md "$OUT/RESULTS.md"; }
 
 schedule_engine() {  # step 1's command; further schedule_engine flags as arguments
-  python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
-    --max_new_tokens 256 --policies fifo,residual+divided,residual+divided+mean,oracle \
-    --compile_threads 8 "$@"
+  python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 \
+    --max_new_tokens 256 --policies fifo,residual+divided,oracle --compile_threads 8 "$@"
 }
-engine() {  # engine OFFSET STEPS_PER_LAUNCH: one recorded run of step 1
-  schedule_engine --repeats "$REPEATS" --prompt_offset "$1" --multi_step "$2" --note "$NOTE" \
-    2>&1 | tee "$OUT/engine_p$1_k$2.log"
+engine() {  # engine OFFSET STEPS_PER_LAUNCH [SLOTS]: one recorded run of step 1 (or 1b)
+  local slots=${3:-32}
+  schedule_engine --repeats "$REPEATS" --prompt_offset "$1" --multi_step "$2" --slots "$slots" \
+    --note "$NOTE" 2>&1 | tee "$OUT/engine_p$1_k$2_s$slots.log"
   keep
 }
 
 read -r -a offsets <<< "${OFFSETS:-16 0}"
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
   engine "${offsets[0]}" "$K"
+  if [ -n "${SLOTS_WIDE-64}" ]; then
+    engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}"
+  fi
 fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \
   --max_new_tokens 256 --multi_step "$K" --compile_threads 8 --note "$NOTE" 2>&1 |
@@ -85,7 +91,7 @@ fi
 if [ "${HOST_BENCHES:-0}" != 1 ]; then
   exit 0
 fi
-schedule_engine --repeats 1 --multi_step "$K" --profile "$OUT/profile_k$K" --no_append \
+schedule_engine --repeats 1 --multi_step "$K" --slots 32 --profile "$OUT/profile_k$K" --no_append \
   > "$OUT/profile_k$K.log" 2>&1
 (cd "$OUT" && tar -czf profiles.tgz "profile_k$K"/ "profile_k$K.log" &&
   rm -r "profile_k$K"/ "profile_k$K.log")
