@@ -59,6 +59,7 @@ from bench import common  # noqa: E402
 from bench.engine_timeline import (  # noqa: E402
     HOST_PARTS, excess_by_event, host_by_event, host_parts_ms, modelled_finish)
 from bench.histospec import MODEL_NAME, gsm8k_prompts  # noqa: E402
+from bench.schedsim_traces import Trace, write_trace  # noqa: E402
 from rhyme_jax.history.store import prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
@@ -116,7 +117,13 @@ def parse_args(argv=None):
                  help="a directory: after the timed runs, one more run per policy under "
                       "cProfile, its busiest host functions written to profile_<policy>.txt "
                       "there, '+' spelled '_' (the table keeps the unprofiled runs)")
+  p.add_argument("--write_trace", default="",
+                 help="a .jsonl path: epoch 0's and epoch 1's response lengths per prompt in "
+                      "bench/schedsim.py's trace format, so the simulator replays what this "
+                      "run sampled (written after the runs)")
   args = p.parse_args(argv)
+  if args.write_trace and not os.path.isdir(os.path.dirname(args.write_trace) or "."):
+    p.error(f"--write_trace={args.write_trace}: its directory does not exist")
   if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
     p.error(f"--profile={args.profile}: exists and is not a directory")
   policies = args.policies.split(",")
@@ -169,6 +176,15 @@ def describe_repeats(stats: dict[str, dict[str, list[float]]]) -> list[str]:
       lines.append(f"{name}, {figure} by repeat (same repeat's runs): "
                    f"{', '.join(map(show, values))}; median {show(float(np.median(values)))}")
   return lines
+
+
+def lengths_trace(name, keys, prompt_lens, epochs, group_size) -> Trace:
+  """The response lengths of `epochs` (epoch -> results, prompt-major: each prompt's
+  `group_size` samples together, as `requests` makes them) as a simulator trace."""
+  g = group_size
+  return Trace(name, list(keys), list(prompt_lens),
+               [{e: np.array([len(r.tokens) for r in out[i * g:(i + 1) * g]], np.int64)
+                 for e, out in epochs.items()} for i in range(len(keys))])
 
 
 def tokens_crc(results) -> int:
@@ -249,6 +265,8 @@ def main(argv=None):
       finish = np.array([r.finish_time for r in results])
       if name == "fifo":
         true_lengths.update({r.request_id: len(r.tokens) for r in results})
+      if rep == 0 and name == args.policies[0]:
+        second = results  # every policy samples the same tokens (the CRC column checks it)
       modelled = (sum(n * warm[shape] for shape, n in st.steps_by_shape.items()) +
                   st.yield_passes * cost.fixed + st.yields * cost.per_row)
       row = dict(makespan=float(finish.max()), tail=tail_time(finish), modelled=modelled,
@@ -371,6 +389,10 @@ def main(argv=None):
              for name, (c, m) in margins.items()],
            *per_repeat,
            *args.note]
+  if args.write_trace:
+    write_trace(lengths_trace(args.write_trace, keys, [len(p) for p in prompt_ids],
+                              {0: first, 1: second}, args.group_size), args.write_trace)
+    print(f"[schedule_engine] lengths of epochs 0 and 1: {args.write_trace}", flush=True)
   if not args.no_append:
     common.append_results("Rollout engine: admission orders and divided rollout "
                           "(bench/schedule_engine.py)", table_md, notes)

@@ -4,6 +4,7 @@ timeline."""
 
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -137,3 +138,23 @@ def test_by_repeat_pairs_each_policy_with_the_same_repeats_references():
           "median 1.000" in lines)
   assert not any(line.startswith(("oracle, makespan", "fifo, tail")) for line in lines)
   assert schedule_engine.describe_repeats(schedule_engine.by_repeat(reps[:1], ["divided"])) == []
+
+
+def test_written_trace_replays_each_prompts_lengths_by_epoch(tmp_path, capsys):
+  """--write_trace: epoch 0's and 1's lengths per prompt, in request order, read back by the
+  simulator's trace loader; a path in a missing directory is a one-line error first."""
+  from bench.schedsim_traces import load_trace, write_trace
+  res = lambda n: types.SimpleNamespace(tokens=[7] * n)
+  first = [res(n) for n in (3, 5, 8, 2)]  # prompt a: 3, 5; prompt b: 8, 2
+  second = [res(n) for n in (4, 4, 1, 9)]
+  path = str(tmp_path / "t.jsonl")
+  write_trace(schedule_engine.lengths_trace(path, ["a", "b"], [11, 12], {0: first, 1: second},
+                                            2), path)
+  got = load_trace(path)
+  assert got.keys == ["a", "b"] and got.prompt_len == [11, 12]
+  assert [{e: v.tolist() for e, v in per.items()} for per in got.lengths] == [
+      {0: [3, 5], 1: [4, 4]}, {0: [8, 2], 1: [1, 9]}]
+  with pytest.raises(SystemExit):
+    schedule_engine.parse_args([f"--write_trace={tmp_path}/missing/t.jsonl"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--write_trace" in err and "does not exist" in err
