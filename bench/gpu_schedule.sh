@@ -42,8 +42,10 @@
 # RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
 # at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
 # of these benches. A lease brings back at most 8 files from $OUT: this script leaves at most
-# 8 (RESULTS.md, four engine logs, bucket_moves.log, and with HOST_BENCHES host_benches.log
-# and profiles.tgz).
+# 6 (RESULTS.md, engine.log (every schedule_engine run), step 1's sampled lengths as a
+# simulator trace (lengths_p<offset>.jsonl, for bench/schedsim.py --trace: the simulator's
+# figures beside the engine's on the same lengths), bucket_moves.log, and with HOST_BENCHES
+# host_benches.log and profiles.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the SmolLM2 GGUF (or an HF checkpoint directory)}"
@@ -61,16 +63,17 @@ schedule_engine() {  # step 1's command; further schedule_engine flags as argume
   python bench/schedule_engine.py --model "$MODEL" --num_prompts 16 --group_size 8 \
     --max_new_tokens 256 --policies fifo,residual+divided,oracle --compile_threads 8 "$@"
 }
-engine() {  # engine OFFSET STEPS_PER_LAUNCH [SLOTS]: one recorded run of step 1 (or 1b)
-  local slots=${3:-32}
-  schedule_engine --repeats "$REPEATS" --prompt_offset "$1" --multi_step "$2" --slots "$slots" \
-    --note "$NOTE" 2>&1 | tee "$OUT/engine_p$1_k$2_s$slots.log"
+engine() {  # engine OFFSET STEPS_PER_LAUNCH [SLOTS [FLAGS...]]: one recorded run of step 1
+  local offset=$1 k=$2 slots=${3:-32}
+  shift $(( $# < 3 ? $# : 3 ))
+  schedule_engine --repeats "$REPEATS" --prompt_offset "$offset" --multi_step "$k" \
+    --slots "$slots" --note "$NOTE" "$@" 2>&1 | tee -a "$OUT/engine.log"
   keep
 }
 
 read -r -a offsets <<< "${OFFSETS:-16 0}"
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
-  engine "${offsets[0]}" "$K"
+  engine "${offsets[0]}" "$K" 32 --write_trace "$OUT/lengths_p${offsets[0]}.jsonl"
   if [ -n "${SLOTS_WIDE-64}" ]; then
     engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}"
   fi
