@@ -42,9 +42,11 @@
 # RESULTS.md after every step (a run cut short keeps the steps it finished). float32 matmuls
 # at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest), as the earlier H100 and H200 rows
 # of these benches. A lease brings back at most 8 files from $OUT: this script leaves at most
-# 6 (RESULTS.md, engine.log (every schedule_engine run), step 1's sampled lengths as a
-# simulator trace (lengths_p<offset>.jsonl, for bench/schedsim.py --trace: the simulator's
-# figures beside the engine's on the same lengths), bucket_moves.log, and with HOST_BENCHES
+# 7 (RESULTS.md, engine.log (every schedule_engine run), step 1's sampled lengths as a
+# simulator trace (lengths_p<offset>.jsonl, for bench/schedsim.py --trace) and step 1b's
+# plain-step warm-up times (step_times_s<slots>.json, for bench/schedsim.py --table h100=...):
+# the simulator's figures beside the engine's on the same lengths and step times, as
+# bench/RESULTS.md did on the CPU on 2026-11-28; bucket_moves.log, and with HOST_BENCHES
 # host_benches.log and profiles.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,7 +77,8 @@ read -r -a offsets <<< "${OFFSETS:-16 0}"
 if [ "${SKIP_ENGINE:-0}" != 1 ]; then
   engine "${offsets[0]}" "$K" 32 --write_trace "$OUT/lengths_p${offsets[0]}.jsonl"
   if [ -n "${SLOTS_WIDE-64}" ]; then
-    engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}"
+    engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}" \
+      --write_step_times "$OUT/step_times_s${SLOTS_WIDE-64}.json"
   fi
 fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \

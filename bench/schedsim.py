@@ -90,14 +90,14 @@ class _TwoSteps:
     return 0
 
 
-def overlap_rows(name, jobs, predictor, truth, slots) -> list[list]:
+def overlap_rows(name, jobs, predictor, truth, slots, tables) -> list[list]:
   """Cross-step alternation: the step's prompts split into two consecutive steps A (even) and
   B (odd); total time with a barrier between them vs with B admitted into A's tail."""
   groups = sorted({m.group_id for m, _ in jobs})
   step_b = set(groups[len(groups) // 2:])
   rows = []
   for table_name, slots in zip(("h100", "cpu"), slots):
-    table = StepTimeTable.builtin(table_name)
+    table = tables[table_name]
     cfg = SimConfig(slots=slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1) if b <= slots),
                     prefill_ms_per_token=PREFILL_MS_PER_TOKEN[table_name])
     pick = lambda name, step: make_policy(name, predictor=predictor, step=step,
@@ -126,9 +126,9 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
     if len(cases) == 1:  # cross-step alternation: the step split in two
       c = cases[0]
       overlap += overlap_rows(name, c.jobs, c.predictor, c.truth,
-                              slot_counts(args, num_requests))
+                              slot_counts(args, num_requests), args.tables)
     for sc in scenarios(args, num_requests, chunk):
-      table = StepTimeTable.builtin(sc.table)
+      table = args.tables[sc.table]
       cfg = SimConfig(slots=sc.slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1)
                                                     if b <= sc.slots),
                       shrink=sc.shrink, shards=sc.shards,
@@ -228,6 +228,17 @@ def _positive(text: str) -> float:
   return x
 
 
+def _table(text: str) -> tuple[str, StepTimeTable]:
+  """NAME=PATH: a step-time table file (StepTimeTable.from_file) in place of a built-in one."""
+  name, sep, path = text.partition("=")
+  if not sep or name not in ("h100", "cpu"):
+    raise argparse.ArgumentTypeError(f"{text!r}: expected h100=PATH or cpu=PATH")
+  try:
+    return name, StepTimeTable.from_file(path)
+  except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+    raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def _slot_pair(text: str) -> tuple[int, int]:
   try:
     h, c = (int(x) for x in text.split(","))
@@ -276,6 +287,11 @@ def main(argv=None) -> None:
                   help="H,C: ms more per step that yields at all (the engine copies a pass's "
                        "rows in one call each way; default: measured, "
                        f"{YIELD_PASS_MS['h100']:g},{YIELD_PASS_MS['cpu']:g})")
+  ap.add_argument("--table", type=_table, action="append", default=[],
+                  help="NAME=PATH (NAME: h100 or cpu): step times from a JSON file "
+                       "([{bucket, budget, ms}, ...], e.g. bench/schedule_engine.py "
+                       "--write_step_times: a real engine's warm-up) in place of that built-in "
+                       "table; its prefill and yield costs stay the built-in's (repeatable)")
   ap.add_argument("--told_cost", type=_positive, default=1.0,
                   help="the yield cost history_residual is told, as a multiple of a pass of one "
                        "yield (1: what the engine tells it; below 1, a pass's yields sharing its "
@@ -293,6 +309,8 @@ def main(argv=None) -> None:
   ap.add_argument("--no_append", action="store_true")
   args = ap.parse_args(argv)
   args.trace = args.trace or ["synthetic"]
+  args.tables = {name: StepTimeTable.builtin(name) for name in ("h100", "cpu")}
+  args.tables.update(args.table)
   if args.write_trace:
     write_trace(synthetic_trace(max_new_tokens=args.max_new_tokens), args.write_trace)
     return
@@ -345,6 +363,10 @@ def main(argv=None) -> None:
         "rhyme_jax/scheduling/step_time.py (h100: bench/engine_overhead.py H100 engine ms/step; "
         "cpu: bench/forward.py 2-core CPU decode ms/step), made non-decreasing in bucket and "
         "budget; prefill per prompt token from the same sources' forward.py runs",
+        *[f"the {name} table replaced by {t.name} (--table): "
+          + ", ".join(f"{b} rows {t.ms(b, 0):.2f} ms" for b in t.buckets)
+          + " at budget 0; its prefill and yield costs are the built-in table's"
+          for name, t in args.table],
         "tail = time to finish the last 10% of requests; slot util = live row-time / "
         "(shards x slots x makespan); oracle = true lengths, longest first; history = the "
         f"previous epoch's group {args.stat} (rank-mapped), longest first; history_alt = the "

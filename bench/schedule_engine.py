@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -121,9 +122,15 @@ def parse_args(argv=None):
                  help="a .jsonl path: epoch 0's and epoch 1's response lengths per prompt in "
                       "bench/schedsim.py's trace format, so the simulator replays what this "
                       "run sampled (written after the runs)")
+  p.add_argument("--write_step_times", default="",
+                 help="a .json path: the engine's plain-step warm-up time per bucket at the "
+                      "longest cache length, as a step-time table for bench/schedsim.py "
+                      "--table (written after the warm-up)")
   args = p.parse_args(argv)
-  if args.write_trace and not os.path.isdir(os.path.dirname(args.write_trace) or "."):
-    p.error(f"--write_trace={args.write_trace}: its directory does not exist")
+  for flag in ("write_trace", "write_step_times"):
+    path = getattr(args, flag)
+    if path and not os.path.isdir(os.path.dirname(path) or "."):
+      p.error(f"--{flag}={path}: its directory does not exist")
   if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
     p.error(f"--profile={args.profile}: exists and is not a directory")
   policies = args.policies.split(",")
@@ -187,6 +194,12 @@ def lengths_trace(name, keys, prompt_lens, epochs, group_size) -> Trace:
                  for e, out in epochs.items()} for i in range(len(keys))])
 
 
+def step_times(warm, buckets, kv_len) -> list[dict]:
+  """The plain steps' warm-up seconds (`CostModel.warm`, keyed (bucket, packed, tokens per
+  row, cache length)) at cache length `kv_len`, as a step-time table file's rows (ms)."""
+  return [{"bucket": b, "budget": 0, "ms": 1e3 * warm[(b, b, 1, kv_len)]} for b in buckets]
+
+
 def tokens_crc(results) -> int:
   crc = 0
   for r in sorted(results, key=lambda r: r.request_id):
@@ -217,6 +230,9 @@ def main(argv=None):
   warm = dict(engine.costs.warm)  # warm-up time of every step shape: one cost set for all
   cost = engine.yield_cost  # passes of copies timed at warm-up (queued): fixed + per row
   long_kv = max(cfg.kv_lengths())
+  if args.write_step_times:
+    with open(args.write_step_times, "w") as f:
+      json.dump(step_times(warm, cfg.buckets, long_kv), f, indent=1)
   params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
 
   def requests(epoch):

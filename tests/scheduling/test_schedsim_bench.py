@@ -149,3 +149,32 @@ def test_told_cost_scales_the_margin_history_residual_yields_to(tmp_path, capsys
     rows = _small_run(tmp_path, capsys, 3, "--told_cost", told)
     yields[told] = sum(int(r[10]) for r in rows if len(r) == 15 and r[5] == "history_residual")
   assert yields["10000"] < yields["1"]
+
+
+@pytest.mark.parametrize("bad", ["x", "gpu=t.json", "cpu=missing.json", "cpu=bad.json"])
+def test_bad_table_flag_is_one_clear_error(bad, tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "bad.json").write_text('[{"bucket": 8, "ms": 2.0}]')  # no budget
+  with pytest.raises(SystemExit):
+    schedsim.main([f"--table={bad}", "--no_append"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--table" in err and repr(bad) in err
+
+
+def test_table_flag_replaces_that_table_only(tmp_path, monkeypatch, capsys):
+  """--table cpu=PATH: every simulation that ran on the built-in cpu table runs on the file's
+  step times instead, the h100 ones on the built-in h100 table still; and the results move."""
+  path = tmp_path / "flat.json"
+  path.write_text('[{"bucket": 1, "budget": 0, "ms": 10.0}, '
+                  '{"bucket": 64, "budget": 0, "ms": 10.0}]')
+  base = _small_run(tmp_path, capsys, 5)
+  seen = []
+  real = schedsim.simulate
+  monkeypatch.setattr(schedsim, "simulate", lambda jobs, factory, table, cfg, plan=None: (
+      seen.append((table.name, table.ms(8, 0))) or real(jobs, factory, table, cfg, plan)))
+  flat = _small_run(tmp_path, capsys, 5, f"--table=cpu={path}")
+  assert {name for name, _ in seen} == {"h100", str(path)}
+  assert all(ms == 10.0 for name, ms in seen if name == str(path))
+  detail = lambda rows, table: [r for r in rows if len(r) == 15 and r[1] == table]
+  assert detail(flat, "h100") == detail(base, "h100") and detail(base, "h100")
+  assert detail(flat, "cpu") != detail(base, "cpu")

@@ -158,3 +158,18 @@ def test_written_trace_replays_each_prompts_lengths_by_epoch(tmp_path, capsys):
     schedule_engine.parse_args([f"--write_trace={tmp_path}/missing/t.jsonl"])
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert "--write_trace" in err and "does not exist" in err
+
+
+def test_step_times_are_the_plain_steps_at_the_long_cache_as_a_table(tmp_path):
+  """--write_step_times: each bucket's plain step (packed = bucket, one token per row) at the
+  given cache length, in ms, readable as the simulator's step-time table."""
+  import json
+  from rhyme_jax.scheduling.step_time import StepTimeTable
+  warm = {(4, 4, 1, 256): 0.040, (4, 4, 1, 128): 0.030, (2, 2, 1, 256): 0.025,
+          (1, 1, 1, 256): 0.020, (4, 12, 3, 256): 0.090}  # the last: a speculative shape
+  rows = schedule_engine.step_times(warm, (4, 2, 1), 256)
+  assert rows == [{"bucket": 4, "budget": 0, "ms": 40.0}, {"bucket": 2, "budget": 0, "ms": 25.0},
+                  {"bucket": 1, "budget": 0, "ms": 20.0}]
+  (tmp_path / "t.json").write_text(json.dumps(rows))
+  table = StepTimeTable.from_file(str(tmp_path / "t.json"))
+  assert table.ms(2, 0) == pytest.approx(25.0) and table.ms(3, 0) == pytest.approx(32.5)
