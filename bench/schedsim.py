@@ -249,7 +249,8 @@ def _slot_pair(text: str) -> tuple[int, int]:
   return h, c
 
 
-def _quantile(text: str) -> float | None:
+def quantile_arg(text: str) -> float | None:
+  """--residual_quantile: a number in (0, 1), or "mean" (None: rank by the mean)."""
   if text == "mean":
     return None
   try:
@@ -296,7 +297,7 @@ def main(argv=None) -> None:
                   help="the yield cost history_residual is told, as a multiple of a pass of one "
                        "yield (1: what the engine tells it; below 1, a pass's yields sharing its "
                        "copy calls; a sensitivity check of the margin rule)")
-  ap.add_argument("--residual_quantile", type=_quantile, default=RESIDUAL_QUANTILE,
+  ap.add_argument("--residual_quantile", type=quantile_arg, default=RESIDUAL_QUANTILE,
                   help="the quantile of remaining work history_residual ranks by, or 'mean' "
                        "(ResidualPolicy; default: its default)")
   ap.add_argument("--seed", type=int, default=0, help="seed of the random order")

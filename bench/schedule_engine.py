@@ -10,7 +10,8 @@ from the same policy) then runs once per policy (`--policies`, one engine, compi
   history           longest predicted first (the prompt's epoch-0 lengths)
   probe             Seer: each group's first sample first, then the longest sibling so far
   residual          longest remaining work first: the upper quartile of L - n given L > n
-                    over history, ties by its mean (ResidualPolicy's default quantile)
+                    over history, ties by its mean (ResidualPolicy's default quantile;
+                    `--residual_quantile` sets another for every residual policy but +mean)
   residual+divided  the same, and every `--divide_every` tokens a running request is offered
                     to yield its slot; it yields to a margin more expected remaining work that
                     the engine's measured yield cost sets (ResidualPolicy.yield_margin)
@@ -60,6 +61,7 @@ from bench import common  # noqa: E402
 from bench.engine_timeline import (  # noqa: E402
     HOST_PARTS, excess_by_event, host_by_event, host_parts_ms, modelled_finish)
 from bench.histospec import MODEL_NAME, gsm8k_prompts  # noqa: E402
+from bench.schedsim import quantile_arg  # noqa: E402
 from bench.schedsim_traces import Trace, write_trace  # noqa: E402
 from rhyme_jax.history.store import prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
@@ -112,6 +114,10 @@ def parse_args(argv=None):
                  help="residual+divided: tokens between a request's offers to yield its slot")
   p.add_argument("--park_rows", type=int, default=0,
                  help="residual+divided: parked KV rows (0: every request can park)")
+  p.add_argument("--residual_quantile", type=quantile_arg, default=RESIDUAL_QUANTILE,
+                 help="the quantile of remaining work the residual policies rank by, or "
+                      "'mean' (ResidualPolicy; default: its default; +mean ranks by the mean "
+                      "whatever this says)")
   p.add_argument("--policies", default=",".join(POLICIES), help=f"from {POLICIES}")
   p.add_argument("--repeats", type=int, default=1, help="runs of the policy list; fastest kept")
   p.add_argument("--profile", default="",
@@ -262,7 +268,8 @@ def main(argv=None):
     else:
       policy = make_policy({"residual": "history_residual"}.get(base, base),
                            predictor=predictor if base != "fifo" else None,
-                           residual_quantile=None if name.endswith("+mean") else RESIDUAL_QUANTILE)
+                           residual_quantile=(None if name.endswith("+mean")
+                                              else args.residual_quantile))
     if name.endswith("+lrpt"):  # the engine's measured yield cost is not handed on
       policy.set_yield_cost = lambda steps: None
     if name.endswith("+waited"):  # the cost of a yield waited for, in the same step units
@@ -404,6 +411,9 @@ def main(argv=None):
              "opening (it shrinks with the work left)"
              for name, (c, m) in margins.items()],
            *per_repeat,
+           *([f"residual policies rank by the {args.residual_quantile or 'mean'} quantile of "
+              "remaining work (--residual_quantile; ResidualPolicy's default is "
+              f"{RESIDUAL_QUANTILE})"] if args.residual_quantile != RESIDUAL_QUANTILE else []),
            *args.note]
   if args.write_trace:
     write_trace(lengths_trace(args.write_trace, keys, [len(p) for p in prompt_ids],

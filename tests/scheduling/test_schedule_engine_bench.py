@@ -20,6 +20,7 @@ from bench import engine_timeline, schedule_engine  # noqa: E402
     (["--slots=0"], "--slots=0: must be >= 1"),
     (["--multi_step=0"], "--multi_step=0: must be >= 1"),
     (["--policies=fifo,lifo"], "--policies: 'lifo' is not one of"),
+    (["--residual_quantile=1.5"], "--residual_quantile: '1.5': must be in (0, 1)"),
 ])
 def test_bad_flag_is_one_line_naming_it(argv, message, capsys):
   with pytest.raises(SystemExit):
@@ -32,6 +33,8 @@ def test_good_flags_parse():
                                      "--multi_step=4"])
   assert args.compile_threads == 8 and args.policies == ["fifo", "oracle"]
   assert args.multi_step == 4
+  assert schedule_engine.parse_args(["--residual_quantile=0.9"]).residual_quantile == 0.9
+  assert schedule_engine.parse_args(["--residual_quantile=mean"]).residual_quantile is None
 
 
 def test_excess_by_event_splits_wall_time_beyond_warm_up_by_what_came_before():
