@@ -411,9 +411,12 @@ def main(argv=None):
              "opening (it shrinks with the work left)"
              for name, (c, m) in margins.items()],
            *per_repeat,
-           *([f"residual policies rank by the {args.residual_quantile or 'mean'} quantile of "
-              "remaining work (--residual_quantile; ResidualPolicy's default is "
-              f"{RESIDUAL_QUANTILE})"] if args.residual_quantile != RESIDUAL_QUANTILE else []),
+           *([f"residual policies rank by the "
+              + ("mean" if args.residual_quantile is None
+                 else f"{args.residual_quantile:g} quantile")
+              + " of remaining work (--residual_quantile; ResidualPolicy's default is the "
+              f"{RESIDUAL_QUANTILE:g} quantile)"]
+             if args.residual_quantile != RESIDUAL_QUANTILE else []),
            *args.note]
   if args.write_trace:
     write_trace(lengths_trace(args.write_trace, keys, [len(p) for p in prompt_ids],
