@@ -51,7 +51,7 @@ RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "ru
                      "run.record_rollouts",
                      "rollout.attention", "rollout.schedule", "rollout.speculate",
                      "rollout.divide_every", "rollout.park_rows", "rollout.compile_threads",
-                     "rollout.multi_step",
+                     "rollout.multi_step", "rollout.balance_hosts",
                      "distributed")
 
 
@@ -86,6 +86,7 @@ class RolloutOptions:
   compile_threads: int  # warm-up compiles the step shapes in this many threads (0: auto)
   multi_step: int  # plain decode steps per engine launch (EngineConfig.multi_step)
   history_epochs: int  # past epochs kept per prompt (history.store.HistoryStore.epochs_kept)
+  balance_hosts: bool  # hosts sample the step's groups by LPT over predicted work (rl.hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +242,13 @@ _FLAGS = {
          "(bench/RESULTS.md, --epochs_kept of bench/schedsim.py) for that many times the host "
          "memory. Fixed for a run (its checkpoints hold the store). Never changes what is "
          "sampled."),
+        ("balance_hosts", False, "Multi-host: every host reads the whole step's prompts and "
+         "samples the groups a longest-processing-time-first assignment of their predicted "
+         "work (history lengths) gives it, the same on every host without communication, "
+         "instead of its own slice of the batch; each host then trains on its slice as without "
+         "it (the groups' samples are exchanged). Evens the hosts' rollout times; never changes "
+         "what is sampled or trained on. Needs --dynamic_sampling off (every host must read "
+         "the same rounds)."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -405,6 +413,9 @@ def validate(c: Config) -> None:
     _fail("multi_step", r.multi_step, f"in [1, {MAX_MULTI_STEP}]")
   if r.divide_every and not r.park_rows:
     _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
+  if r.balance_hosts and rl.dynamic_sampling:
+    _fail("balance_hosts", r.balance_hosts, "false with --dynamic_sampling (hosts refill in "
+          "different numbers of rounds, so they cannot share one assignment of a round)")
   if r.divide_every and r.schedule not in ("probe", "residual"):
     _fail("divide_every", r.divide_every, "0 unless --schedule is probe or residual (an order "
           "that re-ranks running requests)")

@@ -15,6 +15,16 @@ step's rollout the hosts exchange:
     slice of the prompt stream, and only process 0 writes the checkpoint's host state.
 
 With one process every exchange is the identity: nothing is serialised.
+
+With --balance_hosts every host reads the whole round and samples the prompts a `HostPlan`
+gives it: longest-processing-time first over their predicted work (HistoPipe's balancing of
+data-parallel rollout, `scheduling.assignment.plan_hosts`), computed alike on every host from
+the identical history stores, so no host waits on another for the plan. A prompt keeps the
+request ids of its place in the round (`Rollouts.sample_round`'s positions), so it samples the
+same tokens on whichever host; the exchanged groups carry their log-probs, are put back in data
+order (`in_data_order`) and each host trains on its own slice of the round (`my_groups`), as it
+would without balancing: the run is the unbalanced run's, sample for sample and update for
+update, with the hosts' rollout times evened.
 """
 
 from __future__ import annotations
@@ -23,10 +33,76 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from rhyme_jax import multihost
 from rhyme_jax.rl.rollouts import combine_stats
-from rhyme_jax.rl.samples import GroupRecord
+from rhyme_jax.rl.samples import GroupRecord, Prompt, Sample
+from rhyme_jax.scheduling.assignment import plan_hosts
+from rhyme_jax.scheduling.predictor import LengthPredictor
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+  """Which prompts of a round (all hosts', data order) each host samples (--balance_hosts)."""
+
+  hosts: list[list[int]]  # per host, the round positions of the prompts it samples, ascending
+  work: np.ndarray  # int64 predicted tokens per prompt (G x predicted length)
+
+  @classmethod
+  def make(cls, prompts: Sequence[Prompt], predictor: LengthPredictor, group_size: int,
+           num_hosts: int) -> "HostPlan":
+    if len(prompts) % num_hosts:
+      raise ValueError(f"HostPlan: {len(prompts)} prompts do not split over {num_hosts} hosts")
+    predictor.refresh()  # the store gained last step's groups
+    return cls(*plan_hosts([p.key for p in prompts], group_size, predictor, num_hosts))
+
+  @property
+  def per_host(self) -> int:
+    """Prompts in each host's slice of the round (what it samples without balancing)."""
+    return len(self.work) // len(self.hosts)
+
+  def sampled_order(self) -> list[int]:
+    """Round positions in the order the exchange returns their groups (host by host)."""
+    return [q for mine in self.hosts for q in mine]
+
+  def slices(self) -> list[list[int]]:
+    """What each host samples without balancing: its own slice of the round."""
+    b = self.per_host
+    return [list(range(h * b, (h + 1) * b)) for h in range(len(self.hosts))]
+
+  def metrics(self, records: Sequence[GroupRecord]) -> dict[str, float]:
+    """Groups sampled off their slice's host; the busiest host's predicted work and its true
+    tokens (`records`: the round's groups in data order) over the hosts' mean, with this plan
+    and with the slices (1 = even). A prompt samples the same tokens on any host, so the
+    slices' true figure is exact, not an estimate."""
+    tokens = np.array([sum(len(r) for r in g.responses) for g in records], np.int64)
+    ratio = lambda per, hosts: (max(int(per[m].sum()) for m in hosts)
+                                / max(float(per.sum()) / len(hosts), 1e-9))
+    return {"schedule/host_groups_moved": sum(q // self.per_host != h
+                                              for h, mine in enumerate(self.hosts) for q in mine),
+            "schedule/host_work_ratio": ratio(self.work, self.hosts),
+            "schedule/host_work_ratio_slices": ratio(self.work, self.slices()),
+            "schedule/host_tokens_ratio": ratio(tokens, self.hosts),
+            "schedule/host_tokens_ratio_slices": ratio(tokens, self.slices())}
+
+
+def in_data_order(records: Sequence[GroupRecord], plan: HostPlan) -> list[GroupRecord]:
+  """Every host's exchanged groups (process order: `plan.sampled_order()`) in round order."""
+  order = plan.sampled_order()
+  if len(records) != len(order):
+    raise ValueError(f"in_data_order: {len(records)} groups for a plan of {len(order)}")
+  out: list[Any] = [None] * len(order)
+  for record, q in zip(records, order):
+    out[q] = record
+  return out
+
+
+def my_groups(records: Sequence[GroupRecord], prompts: Sequence[Prompt], process_index: int,
+              per_host: int) -> list[list[Sample]]:
+  """This host's slice of a round's groups (data order), as samples it can train on."""
+  mine = range(process_index * per_host, (process_index + 1) * per_host)
+  return [records[q].samples(prompts[q]) for q in mine]
 
 
 @dataclasses.dataclass

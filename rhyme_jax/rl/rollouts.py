@@ -101,10 +101,10 @@ class Rollouts:
     self.config = config
     self.process_index, self.process_count = process_index, process_count
     self.scorer = scorer
-    history = c.rollout.spec == "histospec" or c.rollout.schedule != "fifo"
+    predict = c.rollout.schedule != "fifo" or c.rollout.balance_hosts  # lengths from history
+    history = c.rollout.spec == "histospec" or predict
     self.store = HistoryStore(c.rollout.history_epochs) if history else None
-    self.predictor = (LengthPredictor(StoreLengths(self.store))
-                      if c.rollout.schedule != "fifo" else None)
+    self.predictor = LengthPredictor(StoreLengths(self.store)) if predict else None
     self.drafter = (HistoryDrafter(self.store, max_budget=c.rollout.draft_budget)
                     if c.rollout.spec == "histospec" else None)
     self.engine = RolloutEngine(
@@ -121,21 +121,34 @@ class Rollouts:
       self.engine.warmup(filters=filters)
 
   def _requests(self, prompts: Sequence[Prompt], base_id: int, params: SamplingParams,
-                group_prefix) -> list[Request]:
+                group_prefix, positions: Sequence[int] | None = None) -> list[Request]:
+    """G requests per prompt; prompt i's ids start at base_id + G x positions[i] (default i)."""
     g = self.config.rl.group_size if params.temperature > 0 else 1
-    return [Request(request_id=base_id + i * g + j, prompt=p.tokens, params=params,
-                    group_id=(group_prefix, i), prompt_key=p.key)
-            for i, p in enumerate(prompts) for j in range(g)]
+    positions = range(len(prompts)) if positions is None else positions
+    return [Request(request_id=base_id + q * g + j, prompt=p.tokens, params=params,
+                    group_id=(group_prefix, q), prompt_key=p.key)
+            for q, p in zip(positions, prompts) for j in range(g)]
 
   def sample_round(self, prompts: Sequence[Prompt], step: int, round_idx: int,
-                   stats: dict[str, Any]) -> list[list[Sample]]:
-    """G scored responses per prompt (`record` adds them to the history store)."""
+                   stats: dict[str, Any], positions: Sequence[int] | None = None
+                   ) -> list[list[Sample]]:
+    """G scored responses per prompt (`record` adds them to the history store).
+
+    `positions`: with --balance_hosts, the prompts' places in the whole round of every host
+    (rl.hosts.HostPlan); their request ids, hence sampling keys, are then the ones the host
+    whose slice holds them would have used, so which host samples a prompt never changes
+    what it samples. Default: this host's slice of the round, in order."""
     c = self.config
-    base = request_base(c, step, round_idx, self.process_index, self.process_count)
+    if positions is None:
+      base = request_base(c, step, round_idx, self.process_index, self.process_count)
+    else:
+      base = request_base(c, step, round_idx, 0, self.process_count)
+      if len(positions) != len(prompts):
+        raise ValueError(f"sample_round: {len(prompts)} prompts but {len(positions)} positions")
     t0 = time.perf_counter()
-    requests = self._requests(prompts, base, self.sampling, (step, round_idx))
+    requests = self._requests(prompts, base, self.sampling, (step, round_idx), positions)
     admission = None
-    if self.predictor is not None:
+    if c.rollout.schedule != "fifo":
       self.predictor.refresh()  # the store gained last round's groups
       eng = self.engine.config  # its park rows: 0 unless dividing
       admission = plan_step(requests, self.predictor, step=step,
@@ -162,7 +175,7 @@ class Rollouts:
         group.append(Sample(p, r.tokens, r.logprobs, r.finish_reason))
       self.scorer.score_group(group)
       if self.drafter is not None:
-        self.drafter.end_group(((step, round_idx), i))
+        self.drafter.end_group(((step, round_idx), i if positions is None else positions[i]))
       groups.append(group)
     stats["time/reward"] = stats.get("time/reward", 0.0) + time.perf_counter() - t0
     return groups
@@ -267,7 +280,7 @@ def rollout_metrics(records: Sequence[GroupRecord], kept: int, stats: dict[str, 
   m["time/rollout"] = stats["time/rollout"]
   # Wall time from the rollout's start to its last response, and to finish its last 10%
   # (summed over a step's rounds): what the admission order (--schedule) acts on.
-  for k in ("time/rollout_makespan", "time/rollout_tail"):
+  for k in ("time/rollout_makespan", "time/rollout_tail", "time/rollout_host_min"):
     if k in stats:
       m[k] = stats[k]
   m["time/reward"] = stats["time/reward"]
@@ -282,4 +295,6 @@ def combine_stats(per_host: Sequence[dict[str, Any]]) -> dict[str, Any]:
   for k in ("time/rollout", "time/reward", "time/rollout_makespan", "time/rollout_tail"):
     if k in per_host[0]:
       out[k] = max(h[k] for h in per_host)
+  if len(per_host) > 1:  # the host that finished first: how uneven the hosts' rollouts were
+    out["time/rollout_host_min"] = min(h["time/rollout"] for h in per_host)
   return out

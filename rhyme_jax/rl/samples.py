@@ -58,25 +58,46 @@ class GroupRecord:
   rewards: list[float]
   correct: list[float | None]
   finish: list[str]  # finish reasons
+  # the engine's float32 log-probs, one array per sample: kept only where another host trains
+  # on the group (--balance_hosts), since they cost as much to send as the tokens
+  logprobs: list[np.ndarray] | None = None
 
   @classmethod
-  def of(cls, group: Sequence[Sample]) -> "GroupRecord":
+  def of(cls, group: Sequence[Sample], logprobs: bool = False) -> "GroupRecord":
     p = group[0].prompt
     return cls(p.example.uid, p.key, p.epoch, [np.asarray(s.tokens, np.int32) for s in group],
                [float(s.reward) for s in group],
                [None if s.correct is None else float(s.correct) for s in group],
-               [s.finish_reason for s in group])
+               [s.finish_reason for s in group],
+               [np.asarray(s.logprobs, np.float32) for s in group] if logprobs else None)
+
+  def samples(self, prompt: Prompt) -> list[Sample]:
+    """The group's scored samples again, for `prompt` (this record's, encoded on this host;
+    needs the log-probs): what the host that sampled it would have trained on."""
+    if self.logprobs is None:
+      raise ValueError(f"GroupRecord {self.uid}: recorded without log-probs")
+    if prompt.key != self.key:
+      raise ValueError(f"GroupRecord {self.uid}: prompt key {prompt.key!r} is not the "
+                       f"record's {self.key!r}")
+    return [Sample(prompt, t, lp, f, r, c)
+            for t, lp, f, r, c in zip(self.responses, self.logprobs, self.finish, self.rewards,
+                                      self.correct)]
 
   def to_json(self) -> dict:
-    return {"uid": self.uid, "key": self.key, "epoch": self.epoch,
-            "responses": [r.tolist() for r in self.responses], "rewards": self.rewards,
-            "correct": self.correct, "finish": self.finish}
+    out = {"uid": self.uid, "key": self.key, "epoch": self.epoch,
+           "responses": [r.tolist() for r in self.responses], "rewards": self.rewards,
+           "correct": self.correct, "finish": self.finish}
+    if self.logprobs is not None:  # float32 -> float64 -> JSON and back is exact
+      out["logprobs"] = [lp.tolist() for lp in self.logprobs]
+    return out
 
   @classmethod
   def from_json(cls, d: dict) -> "GroupRecord":
+    lps = d.get("logprobs")
     return cls(d["uid"], d["key"], int(d["epoch"]),
                [np.asarray(r, np.int32) for r in d["responses"]], list(d["rewards"]),
-               list(d["correct"]), list(d["finish"]))
+               list(d["correct"]), list(d["finish"]),
+               None if lps is None else [np.asarray(lp, np.float32) for lp in lps])
 
 
 def encode_prompts(texts: Sequence[str], examples: Sequence[Example], epochs: Sequence[int],

@@ -178,10 +178,15 @@ class Trainer:
     self.mesh = _mesh(c)
     self.tokenizer, self.template = inputs.tokenizer, inputs.template
     self.eval_examples = inputs.eval_examples
-    self.pipeline = PromptPipeline(inputs.train_examples, batch_size=c.rl.prompts_per_step,
-                                   seed=c.run.seed, render_fn=self._render,
-                                   template=self.template, process_index=self.process_index,
-                                   process_count=self.process_count)
+    # With --balance_hosts every host reads the whole round (the same stream positions as
+    # all hosts' slices together) and samples what the plan gives it (rl.hosts).
+    self.balance = c.rollout.balance_hosts and self.process_count > 1
+    part = (dict(batch_size=c.rl.prompts_per_step * self.process_count, process_index=0,
+                 process_count=1) if self.balance else
+            dict(batch_size=c.rl.prompts_per_step, process_index=self.process_index,
+                 process_count=self.process_count))
+    self.pipeline = PromptPipeline(inputs.train_examples, seed=c.run.seed,
+                                   render_fn=self._render, template=self.template, **part)
     # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
     self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
     model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
@@ -265,8 +270,15 @@ class Trainer:
       batch = next(self.data_iter)
       prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
                                c.rollout.max_prompt_len)
-      groups = self.rollouts.sample_round(prompts, self.step, r, stats)
-      records += [GroupRecord.of(g) for g in groups]
+      if self.balance:  # the whole round was read: sample what the plan gives this host
+        plan = hosts.HostPlan.make(prompts, self.rollouts.predictor, c.rl.group_size,
+                                   self.process_count)
+        mine = plan.hosts[self.process_index]
+        groups = self.rollouts.sample_round([prompts[q] for q in mine], self.step, r, stats,
+                                            positions=mine)
+      else:
+        groups = self.rollouts.sample_round(prompts, self.step, r, stats)
+      records += [GroupRecord.of(g, logprobs=self.balance) for g in groups]
       if c.rl.dynamic_sampling:
         groups = [g for g in groups if len({s.reward for s in g}) > 1]
       kept += groups
@@ -274,9 +286,14 @@ class Trainer:
         break
     kept = kept[:c.rl.prompts_per_step]
     shared = hosts.share_step(records, stats, len(kept))
+    if self.balance:  # back in data order; each host trains on its slice, as unbalanced
+      shared.records = hosts.in_data_order(shared.records, plan)
+      kept = hosts.my_groups(shared.records, prompts, self.process_index, plan.per_host)
     self.rollouts.record(shared.records)
     m = rollout_metrics(shared.records, shared.kept, shared.stats,
                         c.rl.prompts_per_step * self.process_count)
+    if self.balance:
+      m.update(plan.metrics(shared.records))
     m.update(self.epoch_stats.update(
         m["data/epoch"], shared.stats, [x for g in shared.records for x in g.rewards],
         [len(r) for g in shared.records for r in g.responses]))

@@ -123,3 +123,18 @@ def plan_shards(metas: Sequence[RequestMeta], predictor: LengthPredictor, num_sh
   ids = list(groups)
   lengths = [predictor.predict(groups[g][0].prompt_key).length for g in ids]
   return assign_groups(ids, group_work(lengths, [len(groups[g]) for g in ids]), num_shards)
+
+
+def plan_hosts(keys: Sequence[Hashable], group_size: int, predictor: LengthPredictor,
+               num_hosts: int) -> tuple[list[list[int]], np.ndarray]:
+  """Which of a round's prompts (`keys`, the whole round in data order) each host samples.
+
+  Returns (per host, the indices of its prompts in data order; int64[n] predicted work per
+  prompt: G x its predicted length, rounded as `group_work`). LPT over that work, ties by data
+  order, so every host that holds the same history derives the same plan without
+  communication (rl.hosts, --balance_hosts). A response is at least one token: a predictor
+  with no history yet (every prediction 0) deals the prompts round-robin, one per host first."""
+  lengths = [max(predictor.predict(k).length, 1.0) for k in keys]
+  work = group_work(lengths, [group_size] * len(keys))
+  host = lpt_assign(work, num_hosts)
+  return [np.flatnonzero(host == h).tolist() for h in range(num_hosts)], work

@@ -11,7 +11,9 @@ Each process is `multihost_entry.py` (the real `Trainer`, observed by wrappers t
 consumed and sampled). Checked: both finish; their rollout policies are bitwise equal after the
 updates; every prompt of the stream is sampled once by exactly one host and trained on G times;
 request ids, hence sampling keys, never repeat across hosts; the history store (spec on) is
-the same on both hosts. The SIGKILL / SIGTERM resumption test launches four runs and is slow.
+the same on both hosts. With --balance_hosts (hosts sample an LPT plan of the whole round
+and train on their slices) the run equals the unbalanced one: tokens, metrics and policy. The
+SIGKILL / SIGTERM resumption test launches four runs and is slow.
 """
 
 from __future__ import annotations
@@ -198,6 +200,52 @@ def test_two_processes_two_grpo_steps(eos_model, compile_cache, tmp_path, spec):
     assert ends[0]["history"] == ends[1]["history"] is not None
     assert ends[0]["history_prompts"] == 2  # both prompts, whichever host sampled them
     print("rounds per host per step:", rounds_taken)
+
+
+def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compile_cache,
+                                                               tmp_path):
+  """--balance_hosts: each host reads the whole round and samples the prompts the LPT plan over
+  predicted work gives it (the same plan on both hosts, no communication). The run must be the
+  unbalanced run's: the same tokens sampled (request ids follow the prompt, not the host), the
+  same groups trained on each host, bitwise the same policy; only who sampled what differs."""
+  flags = lambda run, *extra: run_flags(eos_model, run, "--num_steps=3", "--train_size=4",
+                                        "--prompts_per_step=2", "--max_new_tokens=8",
+                                        "--checkpoint_every=3", "--eval_every=0", *extra)
+  logs = {name: str(tmp_path / f"{name}_logs") for name in ("plain", "balanced")}
+  run_pair(flags(tmp_path / "plain"), logs["plain"], compile_cache)
+  run_pair(flags(tmp_path / "balanced", "--balance_hosts"), logs["balanced"], compile_cache)
+
+  got = read_metrics(tmp_path / "balanced" / "metrics.jsonl")
+  want = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+  plain_keys = lambda rs: [{k: v for k, v in r.items() if not k.startswith("schedule/")}
+                           for r in without_timing(rs)]
+  assert plain_keys(got) == plain_keys(want)  # same samples (tokens CRC32), rewards, updates
+  assert sum(r["schedule/host_groups_moved"] for r in got) > 0  # the plan moved groups
+  for p in range(PROCESSES):
+    a, b = params(logs["balanced"], p), params(logs["plain"], p)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+  sampled = lambda name, p: {e["step"]: e for e in events(logs[name], p, "generate")
+                             if not e["greedy"]}
+  trained = lambda name, p: [e["samples"] for e in events(logs[name], p, "train")]
+  for p in range(PROCESSES):  # each host trains on its own slice of the round either way
+    assert trained("balanced", p) == trained("plain", p)
+  moved = 0
+  for step in (1, 2, 3):
+    ids = {name: [sampled(name, p)[step] for p in range(PROCESSES)]
+           for name in ("plain", "balanced")}
+    # the same requests over both hosts (each once) with the same response lengths
+    length_of = lambda es: dict(sorted((i, n) for e in es for i, n in zip(e["ids"],
+                                                                        e["lengths"])))
+    assert length_of(ids["balanced"]) == length_of(ids["plain"])
+    assert sum(len(e["ids"]) for e in ids["balanced"]) == PROCESSES * 2 * GROUP
+    moved += ids["balanced"][0]["ids"] != ids["plain"][0]["ids"]
+  assert moved  # some step's hosts sampled other prompts than their slices
+  # both hosts read every prompt of the round: the whole stream, in order, once per host
+  for p in range(PROCESSES):
+    taken = [pos for b in events(logs["balanced"], p, "batch") for pos in b["positions"]]
+    assert taken == list(range(3 * PROCESSES * 2))
 
 
 def params_of_model(model_dir):

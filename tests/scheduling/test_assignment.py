@@ -12,7 +12,8 @@ import pytest
 
 from rhyme_jax.scheduling.admission import RequestMeta
 from rhyme_jax.scheduling.assignment import (assign_groups, lpt_assign, lpt_bound,
-                                             optimal_makespan, plan_shards, shard_loads)
+                                             optimal_makespan, plan_hosts, plan_shards,
+                                             shard_loads)
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,3 +122,24 @@ def test_plan_shards_balances_predicted_work():
   # List scheduling: the last job on the fullest shard started at the least load.
   assert loads.max() <= work.sum() / 4 + work.max() * (1 - 1 / 4)
   assert loads.max() - loads.min() <= work.max()
+
+
+def test_plan_hosts_balances_a_round_and_deals_round_robin_without_history():
+  table = LengthTable()
+  rng = np.random.default_rng(5)
+  lengths = rng.integers(1, 300, size=16)
+  for i, n in enumerate(lengths):
+    table.add(f"k{i}", 0, [int(n)] * 4)
+  keys = [f"k{i}" for i in range(16)]
+  hosts, work = plan_hosts(keys, 4, LengthPredictor(table), 4)
+  assert work.tolist() == [int(n) * 4 for n in lengths]
+  assert sorted(q for h in hosts for q in h) == list(range(16))  # each prompt once
+  assert all(h == sorted(h) for h in hosts)  # data order within a host
+  loads = [int(work[h].sum()) for h in hosts]
+  assert max(loads) <= work.sum() / 4 + work.max() * (1 - 1 / 4)  # list scheduling's bound
+  slices = [int(work[4 * h:4 * h + 4].sum()) for h in range(4)]
+  assert max(loads) < max(slices)  # on this instance, better than the data-order slices
+  # No history yet: every prediction is the same, so one prompt per host in turn.
+  hosts, work = plan_hosts(keys[:6], 4, LengthPredictor(LengthTable()), 2)
+  assert hosts == [[0, 2, 4], [1, 3, 5]]
+  assert (work > 0).all()
