@@ -245,10 +245,11 @@ _FLAGS = {
         ("balance_hosts", False, "Multi-host: every host reads the whole step's prompts and "
          "samples the groups a longest-processing-time-first assignment of their predicted "
          "work (history lengths) gives it, the same on every host without communication, "
-         "instead of its own slice of the batch; each host then trains on its slice as without "
-         "it (the groups' samples are exchanged). Evens the hosts' rollout times; never changes "
-         "what is sampled or trained on. Needs --dynamic_sampling off (every host must read "
-         "the same rounds)."),
+         "instead of its own slice of the batch; the groups' samples are exchanged and each "
+         "host trains on its slice of them. Evens the hosts' rollout times; without "
+         "--dynamic_sampling the run samples and trains exactly as without it. With it the "
+         "refill is global: every host reads every round, until all hosts together kept "
+         "enough groups (without balancing each host refills its own slice)."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
@@ -413,9 +414,6 @@ def validate(c: Config) -> None:
     _fail("multi_step", r.multi_step, f"in [1, {MAX_MULTI_STEP}]")
   if r.divide_every and not r.park_rows:
     _fail("park_rows", r.park_rows, ">= 1 with --divide_every (room for yielded requests' KV)")
-  if r.balance_hosts and rl.dynamic_sampling:
-    _fail("balance_hosts", r.balance_hosts, "false with --dynamic_sampling (hosts refill in "
-          "different numbers of rounds, so they cannot share one assignment of a round)")
   if r.divide_every and r.schedule not in ("probe", "residual"):
     _fail("divide_every", r.divide_every, "0 unless --schedule is probe or residual (an order "
           "that re-ranks running requests)")

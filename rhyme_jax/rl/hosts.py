@@ -1,8 +1,9 @@
 """What hosts tell each other at a step boundary (the design: `rhyme_jax.multihost`).
 
-Each process samples its own prompts on its own engine and scores its own groups (a group
-never leaves the host that sampled it before its advantages are computed, and the learner
-trains on each host's kept groups as that host's rows of the global batch). At the end of a
+Each process samples its own prompts on its own engine and scores its own groups (without
+--balance_hosts a group never leaves the host that sampled it before its advantages are
+computed, and the learner trains on each host's kept groups as that host's rows of the global
+batch). At the end of a
 step's rollout the hosts exchange:
 
   * the groups each sampled (`GroupRecord`s), so that every host records all of them in the
@@ -21,16 +22,16 @@ gives it: longest-processing-time first over their predicted work (HistoPipe's b
 data-parallel rollout, `scheduling.assignment.plan_hosts`), computed alike on every host from
 the identical history stores, so no host waits on another for the plan. A prompt keeps the
 request ids of its place in the round (`Rollouts.sample_round`'s positions), so it samples the
-same tokens on whichever host; the exchanged groups carry their log-probs, are put back in data
-order (`in_data_order`) and each host trains on its own slice of the round (`my_groups`), as it
-would without balancing: the run is the unbalanced run's, sample for sample and update for
-update, with the hosts' rollout times evened.
+same tokens on whichever host; the groups, exchanged after each round with their log-probs,
+are put back in data order (`in_data_order`) and each host trains on its own slice of the kept
+groups (`balanced_rounds`). Without dynamic sampling that is the unbalanced run, sample for
+sample and update for update, with the hosts' rollout times evened.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -98,11 +99,57 @@ def in_data_order(records: Sequence[GroupRecord], plan: HostPlan) -> list[GroupR
   return out
 
 
-def my_groups(records: Sequence[GroupRecord], prompts: Sequence[Prompt], process_index: int,
-              per_host: int) -> list[list[Sample]]:
-  """This host's slice of a round's groups (data order), as samples it can train on."""
-  mine = range(process_index * per_host, (process_index + 1) * per_host)
-  return [records[q].samples(prompts[q]) for q in mine]
+def informative(record: GroupRecord) -> bool:
+  """Whether dynamic sampling keeps a group: its rewards are not all equal."""
+  return len(set(record.rewards)) > 1
+
+
+@dataclasses.dataclass
+class BalancedStep:
+  """A step's balanced rollout rounds as every host sees them (`balanced_rounds`)."""
+
+  mine: list[list[Sample]]  # the groups this host trains on
+  records: list[GroupRecord]  # every round's groups, round by round, in data order
+  metrics: dict[str, float]
+
+
+def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
+                    process_index: int, process_count: int, stats: dict[str, Any]
+                    ) -> BalancedStep:
+  """--balance_hosts: a step's rollout rounds, each the whole batch of every host's prompts.
+
+  Per round every host derives the same `HostPlan`, samples its share (request ids by round
+  position), and the hosts exchange the round's groups with their log-probs, which every host
+  then holds in data order. The kept groups are the rounds' in data order (with
+  --dynamic_sampling only those whose rewards differ); rounds go on, on every host alike, until
+  the hosts together kept prompts_per_step x hosts groups or ran the most rounds, and host p
+  trains on the p-th slice of them. Without dynamic sampling (one round) that slice is its
+  own slice of the batch: the unbalanced run's samples and updates. With it the refill is
+  global, a round read by all hosts or none, where unbalanced hosts refill their own slices
+  and may read different numbers of rounds."""
+  c = config
+  per_host = c.rl.prompts_per_step
+  rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+  records, kept, mets = [], [], []
+  for r in range(rounds):
+    prompts = next_round()
+    plan = HostPlan.make(prompts, rollouts.predictor, c.rl.group_size, process_count)
+    mine = plan.hosts[process_index]
+    groups = rollouts.sample_round([prompts[q] for q in mine], step, r, stats, positions=mine)
+    sent = [GroupRecord.of(g, logprobs=True).to_json() for g in groups]
+    got = [GroupRecord.from_json(x) for host in multihost.allgather_json(sent) for x in host]
+    in_order = in_data_order(got, plan)
+    records += in_order
+    mets.append(plan.metrics(in_order))
+    kept += [(prompts[q], g) for q, g in enumerate(in_order)
+             if not c.rl.dynamic_sampling or informative(g)]
+    if len(kept) >= per_host * process_count:
+      break
+  kept = kept[:per_host * process_count]
+  mine = [g.samples(p) for p, g in kept[process_index * per_host:(process_index + 1) * per_host]]
+  metrics = {k: float(sum(m[k] for m in mets) if k.endswith("moved")
+                      else np.mean([m[k] for m in mets])) for k in mets[0]}
+  return BalancedStep(mine, records, metrics)
 
 
 @dataclasses.dataclass

@@ -264,36 +264,35 @@ class Trainer:
     c = self.config
     t_step = time.perf_counter()
     stats: dict[str, Any] = {}
-    kept, records = [], []
-    rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
-    for r in range(rounds):  # this host's rounds: hosts may need different numbers of them
-      batch = next(self.data_iter)
-      prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
-                               c.rollout.max_prompt_len)
-      if self.balance:  # the whole round was read: sample what the plan gives this host
-        plan = hosts.HostPlan.make(prompts, self.rollouts.predictor, c.rl.group_size,
-                                   self.process_count)
-        mine = plan.hosts[self.process_index]
-        groups = self.rollouts.sample_round([prompts[q] for q in mine], self.step, r, stats,
-                                            positions=mine)
-      else:
+    if self.balance:  # global rounds over the whole batch, each host its plan's share
+      encode = lambda batch: encode_prompts(batch.prompts, batch.examples, batch.epochs,
+                                            self.tokenizer, c.rollout.max_prompt_len)
+      bal = hosts.balanced_rounds(lambda: encode(next(self.data_iter)), self.rollouts, c,
+                                  self.step, self.process_index, self.process_count, stats)
+      kept = bal.mine
+      shared = hosts.share_step([], stats, len(kept))  # the groups were exchanged per round
+      shared.records = bal.records
+    else:
+      kept, records = [], []
+      rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+      for r in range(rounds):  # this host's rounds: hosts may need different numbers of them
+        batch = next(self.data_iter)
+        prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
+                                 c.rollout.max_prompt_len)
         groups = self.rollouts.sample_round(prompts, self.step, r, stats)
-      records += [GroupRecord.of(g, logprobs=self.balance) for g in groups]
-      if c.rl.dynamic_sampling:
-        groups = [g for g in groups if len({s.reward for s in g}) > 1]
-      kept += groups
-      if len(kept) >= c.rl.prompts_per_step:
-        break
-    kept = kept[:c.rl.prompts_per_step]
-    shared = hosts.share_step(records, stats, len(kept))
-    if self.balance:  # back in data order; each host trains on its slice, as unbalanced
-      shared.records = hosts.in_data_order(shared.records, plan)
-      kept = hosts.my_groups(shared.records, prompts, self.process_index, plan.per_host)
+        records += [GroupRecord.of(g) for g in groups]
+        if c.rl.dynamic_sampling:
+          groups = [g for g in groups if len({s.reward for s in g}) > 1]
+        kept += groups
+        if len(kept) >= c.rl.prompts_per_step:
+          break
+      kept = kept[:c.rl.prompts_per_step]
+      shared = hosts.share_step(records, stats, len(kept))
     self.rollouts.record(shared.records)
     m = rollout_metrics(shared.records, shared.kept, shared.stats,
                         c.rl.prompts_per_step * self.process_count)
     if self.balance:
-      m.update(plan.metrics(shared.records))
+      m.update(bal.metrics)
     m.update(self.epoch_stats.update(
         m["data/epoch"], shared.stats, [x for g in shared.records for x in g.rewards],
         [len(r) for g in shared.records for r in g.responses]))

@@ -5,6 +5,7 @@ process run is tests/rl/test_trainer_multihost.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,15 +56,13 @@ def test_plan_moves_long_prompts_apart_and_groups_return_to_data_order():
   # true tokens: prompt q's G samples have q + 1 and q + 2 tokens (3, 5, 7, 9; mean host 12)
   assert m["schedule/host_tokens_ratio"] == pytest.approx(21 / 12)
   assert m["schedule/host_tokens_ratio_slices"] == pytest.approx(16 / 12)
-  for p in range(2):  # each host's slice, bit for bit what the sampling host had
-    mine = hosts.my_groups(ordered, prompts, p, plan.per_host)
-    for q, group in zip((2 * p, 2 * p + 1), mine):
-      for got, want in zip(group, _group(prompts[q], q)):
-        assert got.prompt is prompts[q]
-        np.testing.assert_array_equal(got.tokens, want.tokens)
-        assert got.logprobs.dtype == np.float32
-        np.testing.assert_array_equal(got.logprobs, want.logprobs)
-        assert (got.reward, got.correct, got.finish_reason) == (want.reward, want.correct, "stop")
+  for q in range(4):  # what a host trains on: bit for bit what the sampling host had
+    for got, want in zip(ordered[q].samples(prompts[q]), _group(prompts[q], q)):
+      assert got.prompt is prompts[q]
+      np.testing.assert_array_equal(got.tokens, want.tokens)
+      assert got.logprobs.dtype == np.float32
+      np.testing.assert_array_equal(got.logprobs, want.logprobs)
+      assert (got.reward, got.correct, got.finish_reason) == (want.reward, want.correct, "stop")
   with pytest.raises(ValueError, match="2 groups for a plan of 4"):
     hosts.in_data_order(wire[:2], plan)
   with pytest.raises(ValueError, match="do not split over 3 hosts"):
@@ -79,3 +78,89 @@ def test_records_without_logprobs_stay_small_and_cannot_be_trained_on():
     record.samples(prompts[0])
   with pytest.raises(ValueError, match="is not the record's"):
     GroupRecord.of(_group(prompts[0], 0), logprobs=True).samples(prompts[1])
+
+
+class _Rollouts:
+  """Host h's rollouts: the real predictor, a sampler whose groups follow the round position
+  (as the engine's keys do), informative (rewards differ) where `informative(round, q)`."""
+
+  def __init__(self, predictor, informative):
+    self.predictor, self.informative, self.calls = predictor, informative, []
+
+  def sample_round(self, prompts, step, round_idx, stats, positions):
+    self.calls.append((round_idx, list(positions)))
+    out = []
+    for p, q in zip(prompts, positions):
+      group = _group(p, 10 * round_idx + q)
+      if not self.informative(round_idx, q):
+        for s in group:
+          s.reward = 1.0
+      out.append(group)
+    return out
+
+
+def _cfg(dynamic, rounds=3, per_host=2):
+  return SimpleNamespace(rl=SimpleNamespace(prompts_per_step=per_host, group_size=G,
+                                            dynamic_sampling=dynamic,
+                                            dynamic_sampling_max_rounds=rounds))
+
+
+def _run_hosts(cfg, informative, monkeypatch, hosts_n=2, per_round=4):
+  """`balanced_rounds` of every host, the exchange played by running the hosts' samplers."""
+  rounds = [_round(per_round) for _ in range(cfg.rl.dynamic_sampling_max_rounds)]
+  predictor = _predictor(rounds[0], [50, 40, 30, 20])
+  results = []
+  for host in range(hosts_n):
+    samplers = [_Rollouts(predictor, informative) for _ in range(hosts_n)]
+    read = iter(rounds)
+
+    def allgather(sent, samplers=samplers):
+      r, _ = samplers[host].calls[-1]
+      plan = hosts.HostPlan.make(rounds[r], predictor, G, hosts_n)
+      out = []
+      for h in range(hosts_n):
+        if h == host:
+          out.append(sent)
+          continue
+        mine = plan.hosts[h]
+        groups = samplers[h].sample_round([rounds[r][q] for q in mine], 0, r, {}, mine)
+        out.append([GroupRecord.of(g, logprobs=True).to_json() for g in groups])
+      return json.loads(json.dumps(out))
+
+    monkeypatch.setattr(hosts.multihost, "allgather_json", allgather)
+    results.append(hosts.balanced_rounds(lambda: next(read), samplers[host], cfg, 0, host,
+                                         hosts_n, {}))
+  return rounds, results
+
+
+def test_balanced_rounds_without_dynamic_sampling_train_each_host_on_its_slice(monkeypatch):
+  rounds, (h0, h1) = _run_hosts(_cfg(False), lambda r, q: True, monkeypatch)
+  assert [g.uid for g in h0.records] == [g.uid for g in h1.records] == ["u0", "u1", "u2", "u3"]
+  for host, res in enumerate((h0, h1)):
+    assert [[s.prompt.example.uid for s in g][0] for g in res.mine] == \
+        [f"u{2 * host}", f"u{2 * host + 1}"]
+    for q, group in zip((2 * host, 2 * host + 1), res.mine):
+      for got, want in zip(group, _group(rounds[0][q], q)):
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+  # predicted G x (50, 40, 30, 20): LPT puts prompts 0 and 3 on host 0, 1 and 2 on host 1
+  assert h0.metrics == h1.metrics and h0.metrics["schedule/host_groups_moved"] == 2
+  assert h0.metrics["schedule/host_work_ratio"] == 1.0
+
+
+def test_balanced_dynamic_sampling_refills_globally_until_the_hosts_kept_enough(monkeypatch):
+  keep = {(0, 1), (0, 3), (1, 0), (1, 2), (1, 3), (2, 0), (2, 1)}  # (round, position)
+  rounds, (h0, h1) = _run_hosts(_cfg(True), lambda r, q: (r, q) in keep, monkeypatch)
+  # round 0 kept 2 groups, round 1 three more: 4 = 2 hosts x 2 reached, round 2 never read
+  assert len(h0.records) == len(h1.records) == 8
+  kept = [(0, 1), (0, 3), (1, 0), (1, 2)]
+  for host, res in enumerate((h0, h1)):
+    for (r, q), group in zip(kept[2 * host:2 * host + 2], res.mine):
+      assert group[0].prompt is rounds[r][q]
+      for got, want in zip(group, _group(rounds[r][q], 10 * r + q)):
+        np.testing.assert_array_equal(got.logprobs, want.logprobs)
+        assert got.reward == want.reward
+  assert h0.metrics["schedule/host_groups_moved"] == 4  # two per round, summed
+  # too few informative groups after every round: the hosts train on what there is
+  rounds, (h0, h1) = _run_hosts(_cfg(True, rounds=2), lambda r, q: (r, q) == (1, 2),
+                                monkeypatch)
+  assert len(h0.records) == 8 and len(h0.mine) == 1 and h1.mine == []

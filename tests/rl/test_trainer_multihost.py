@@ -248,6 +248,30 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
     assert taken == list(range(3 * PROCESSES * 2))
 
 
+@pytest.mark.slow
+def test_balanced_hosts_refill_dynamic_sampling_rounds_together(eos_model, compile_cache,
+                                                                tmp_path):
+  """--balance_hosts with --dynamic_sampling: the refill is global. Both hosts read the same
+  rounds, train on distinct groups (as many as all hosts kept) and agree on the policy."""
+  logs = str(tmp_path / "logs")
+  run_pair(run_flags(eos_model, tmp_path / "run", "--num_steps=3", "--train_size=4",
+                     "--prompts_per_step=2", "--max_new_tokens=8", "--checkpoint_every=3",
+                     "--eval_every=0", "--balance_hosts", "--dynamic_sampling",
+                     "--dynamic_sampling_max_rounds=2"), logs, compile_cache)
+  reads = [[b["positions"] for b in events(logs, p, "batch")] for p in range(PROCESSES)]
+  assert reads[0] == reads[1]
+  a, b = params(logs, 0), params(logs, 1)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+  assert sum(r["rollout/rounds"] for r in records) == len(reads[0]) > 3  # some step refilled
+  for step, r in zip((1, 2, 3), records):
+    groups = [tuple(map(tuple, e["samples"][::GROUP])) for p in range(PROCESSES)
+              for e in events(logs, p, "train") if e["step"] == step]
+    flat = [g for host in groups for g in host]
+    assert len(flat) == len(set(flat)) == r["rollout/groups_kept"]
+
+
 def params_of_model(model_dir):
   """The tiny model's initial parameters, keyed like `multihost_entry`'s dump."""
   import jax
