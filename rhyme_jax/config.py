@@ -247,7 +247,9 @@ _FLAGS = {
          "work (history lengths) gives it, the same on every host without communication, "
          "instead of its own slice of the batch; the groups' samples are exchanged and each "
          "host trains on its slice of them. Evens the hosts' rollout times; without "
-         "--dynamic_sampling the run samples and trains exactly as without it. With it the "
+         "--dynamic_sampling the run samples the same tokens and trains each host on the same "
+         "groups as without it (rollout log-probs may differ in their last bits: other batch "
+         "shapes). With it the "
          "refill is global: every host reads every round, until all hosts together kept "
          "enough groups (without balancing each host refills its own slice)."),
     ],

@@ -24,8 +24,10 @@ the identical history stores, so no host waits on another for the plan. A prompt
 request ids of its place in the round (`Rollouts.sample_round`'s positions), so it samples the
 same tokens on whichever host; the groups, exchanged after each round with their log-probs,
 are put back in data order (`in_data_order`) and each host trains on its own slice of the kept
-groups (`balanced_rounds`). Without dynamic sampling that is the unbalanced run, sample for
-sample and update for update, with the hosts' rollout times evened.
+groups (`balanced_rounds`). Without dynamic sampling that is the unbalanced run's data,
+samples and per-host groups, with the hosts' rollout times evened. A prompt is decoded in
+another batch shape, though, so its rollout log-probs (the loss's importance weight) may differ
+in their last bits, and a token at a near-tie could too, as under any admission order.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
   --dynamic_sampling only those whose rewards differ); rounds go on, on every host alike, until
   the hosts together kept prompts_per_step x hosts groups or ran the most rounds, and host p
   trains on the p-th slice of them. Without dynamic sampling (one round) that slice is its
-  own slice of the batch: the unbalanced run's samples and updates. With it the refill is
+  own slice of the batch, as in the unbalanced run. With it the refill is
   global, a round read by all hosts or none, where unbalanced hosts refill their own slices
   and may read different numbers of rounds."""
   c = config

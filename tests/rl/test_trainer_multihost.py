@@ -12,7 +12,8 @@ consumed and sampled). Checked: both finish; their rollout policies are bitwise 
 updates; every prompt of the stream is sampled once by exactly one host and trained on G times;
 request ids, hence sampling keys, never repeat across hosts; the history store (spec on) is
 the same on both hosts. With --balance_hosts (hosts sample an LPT plan of the whole round
-and train on their slices) the run equals the unbalanced one: tokens, metrics and policy. The
+and train on their slices) the run equals the unbalanced one: tokens and data exactly, training
+to float32 rounding. The
 SIGKILL / SIGTERM resumption test launches four runs and is slow.
 """
 
@@ -207,7 +208,10 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   """--balance_hosts: each host reads the whole round and samples the prompts the LPT plan over
   predicted work gives it (the same plan on both hosts, no communication). The run must be the
   unbalanced run's: the same tokens sampled (request ids follow the prompt, not the host), the
-  same groups trained on each host, bitwise the same policy; only who sampled what differs."""
+  same data, rewards and groups trained on each host. A prompt is decoded in another batch
+  shape, so its rollout log-probs (which the loss's importance weight reads, --tis_cap) may
+  differ in their last bits (seen: an is_weight_mean of 0.99999994 against 1.0): the training
+  figures and the policy are compared to float32 rounding, not bitwise."""
   flags = lambda run, *extra: run_flags(eos_model, run, "--num_steps=3", "--train_size=4",
                                         "--prompts_per_step=2", "--max_new_tokens=8",
                                         "--checkpoint_every=3", "--eval_every=0", *extra)
@@ -219,12 +223,18 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   want = read_metrics(tmp_path / "plain" / "metrics.jsonl")
   plain_keys = lambda rs: [{k: v for k, v in r.items() if not k.startswith("schedule/")}
                            for r in without_timing(rs)]
-  assert plain_keys(got) == plain_keys(want)  # same samples (tokens CRC32), rewards, updates
+  assert [sorted(r) for r in plain_keys(got)] == [sorted(r) for r in plain_keys(want)]
+  for g, w in zip(plain_keys(got), plain_keys(want)):
+    for k, v in w.items():  # samples (tokens CRC32), data, rewards exactly; training to rounding
+      if k.startswith(("train/", "kl", "entropy", "clip_frac", "grad_norm")):
+        assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (g["step"], k)
+      else:
+        assert g[k] == v, (g["step"], k)
   assert sum(r["schedule/host_groups_moved"] for r in got) > 0  # the plan moved groups
   for p in range(PROCESSES):
     a, b = params(logs["balanced"], p), params(logs["plain"], p)
     for k in a:
-      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
   sampled = lambda name, p: {e["step"]: e for e in events(logs[name], p, "generate")
                              if not e["greedy"]}
