@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.schedsim_grpo import grpo_cases  # noqa: E402
 from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
-from rhyme_jax.scheduling.assignment import lpt_assign, plan_hosts  # noqa: E402
+from bench.schedsim_scenarios import shard_plan  # noqa: E402
+from rhyme_jax.scheduling.assignment import plan_hosts  # noqa: E402
 from rhyme_jax.scheduling.simulate import SimConfig, simulate  # noqa: E402
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
@@ -49,11 +50,11 @@ def round_groups(case) -> list[list]:
 def host_plans(case, groups, hosts: int) -> dict[str, list[list[int]]]:
   b = len(groups) // hosts
   keys = [g[0][0].prompt_key for g in groups]
-  tokens = np.array([sum(n for _, n in g) for g in groups], np.int64)
-  lpt = lpt_assign(tokens, hosts)
+  true = shard_plan("lpt_oracle", case.jobs, case.predictor, hosts)  # {group id: host}
   return {"slices": [list(range(h * b, (h + 1) * b)) for h in range(hosts)],
           "lpt_history": plan_hosts(keys, len(groups[0]), case.predictor, hosts)[0],
-          "lpt_true": [np.flatnonzero(lpt == h).tolist() for h in range(hosts)]}
+          "lpt_true": [[q for q, g in enumerate(groups) if true[g[0][0].group_id] == h]
+                       for h in range(hosts)]}
 
 
 def measure(cases, hosts: int, table: StepTimeTable, prefill_ms: float) -> dict[str, list]:

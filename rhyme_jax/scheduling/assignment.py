@@ -97,8 +97,10 @@ def lpt_bound(num_shards: int) -> float:
 
 
 def group_work(predicted_length: Sequence[float], group_size: Sequence[int]) -> np.ndarray:
-  """Integer predicted tokens per group: round(per-sample length) x samples."""
-  return (np.rint(np.asarray(predicted_length, np.float64)).astype(np.int64)
+  """Integer predicted tokens per group: round(per-sample length) x samples. A response is at
+  least one token, so a predictor with no history yet (every prediction 0) still gives every
+  group work, and LPT deals the groups round-robin instead of all to the lowest shard."""
+  return (np.rint(np.maximum(np.asarray(predicted_length, np.float64), 1.0)).astype(np.int64)
           * np.asarray(group_size, np.int64))
 
 
@@ -132,9 +134,7 @@ def plan_hosts(keys: Sequence[Hashable], group_size: int, predictor: LengthPredi
   Returns (per host, the indices of its prompts in data order; int64[n] predicted work per
   prompt: G x its predicted length, rounded as `group_work`). LPT over that work, ties by data
   order, so every host that holds the same history derives the same plan without
-  communication (rl.hosts, --balance_hosts). A response is at least one token: a predictor
-  with no history yet (every prediction 0) deals the prompts round-robin, one per host first."""
-  lengths = [max(predictor.predict(k).length, 1.0) for k in keys]
-  work = group_work(lengths, [group_size] * len(keys))
+  communication (rl.hosts, --balance_hosts)."""
+  work = group_work([predictor.predict(k).length for k in keys], [group_size] * len(keys))
   host = lpt_assign(work, num_hosts)
   return [np.flatnonzero(host == h).tolist() for h in range(num_hosts)], work
