@@ -93,7 +93,10 @@ def main(argv=None) -> None:
   runs = args.run or ["bench/data/grpo_quickstart", "bench/data/grpo_gsm8k_h200"]
   rows = []
   for run in runs:
-    cases = grpo_cases(run, args.epochs_kept)
+    try:
+      cases = grpo_cases(run, args.epochs_kept)
+    except (ValueError, OSError) as e:  # the loader names the directory, not this flag
+      raise SystemExit(f"--run {run}: {str(e).split(': ', 1)[-1]}") from e
     if not cases:
       raise SystemExit(f"--run {run}: no rounds with history (needs two data epochs)")
     for hosts in (int(h) for h in args.hosts.split(",")):

@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -44,3 +45,8 @@ def test_measure_sums_rounds_and_one_host_per_prompt_leaves_nothing_to_balance()
   assert len({round(four[p][0], 6) for p in host_balance.PLANS}) == 1
   assert np.allclose(four["slices"][1], four["lpt_true"][1])
   assert host_balance.measure(cases, 3, table, 0.0)["slices"][2] == 0  # 3 does not divide 4
+
+
+def test_a_run_without_recordings_is_a_one_line_error_naming_the_flag(tmp_path):
+  with pytest.raises(SystemExit, match=r"^--run .*: no e\*_s\*_r\*_p\*\.npz recordings$"):
+    host_balance.main(["--run", str(tmp_path), "--no_append"])
