@@ -57,7 +57,6 @@ class HostPlan:
            num_hosts: int) -> "HostPlan":
     if len(prompts) % num_hosts:
       raise ValueError(f"HostPlan: {len(prompts)} prompts do not split over {num_hosts} hosts")
-    predictor.refresh()  # the store gained last step's groups
     return cls(*plan_hosts([p.key for p in prompts], group_size, predictor, num_hosts))
 
   @property

@@ -48,8 +48,10 @@ _ENGINE_COUNTERS = ("tokens", "useful_slot_steps", "steps", "spec_steps", "asked
 # speculative or asking steps move), divided rollout weighs a yield by its timed copies
 # (so yields move, and with them which siblings' rows a prompt's prefill can be copied from),
 # and the tail's bucket moves weigh timed moves against timed steps. What is
-# sampled does not move (rollout/tokens_crc32), nor rewards, lengths, data or updates: a
-# resumed run is compared with an uninterrupted one on everything else.
+# sampled does not move (rollout/tokens_crc32), nor rewards, lengths or data: a resumed run is
+# compared with an uninterrupted one on everything else. The updates can move in their last
+# bits: a row decoded in another batch shape gets its log-probs (which the loss's importance
+# weight reads) rounded differently, so training figures agree to float32 rounding.
 TIMING_DEPENDENT_METRICS = (
     "time/", "rollout/tokens_per_s", "rollout/forwards_per_token",
     "rollout/mean_accepted_length", "rollout/ahead_hit_rate", "rollout/spec_step_frac",
@@ -61,7 +63,8 @@ TIMING_DEPENDENT_METRICS = (
 
 def without_timing(records: Sequence[dict]) -> list[dict]:
   """Logged metric records less their TIMING_DEPENDENT_METRICS: what two runs of the same
-  flags (a resumed one and an uninterrupted one) must log alike."""
+  flags (a resumed one and an uninterrupted one) must log alike (training figures to float32
+  rounding where the engine chose other step shapes)."""
   return [{k: v for k, v in r.items() if not k.startswith(TIMING_DEPENDENT_METRICS)}
           for r in records]
 
@@ -149,7 +152,6 @@ class Rollouts:
     requests = self._requests(prompts, base, self.sampling, (step, round_idx), positions)
     admission = None
     if c.rollout.schedule != "fifo":
-      self.predictor.refresh()  # the store gained last round's groups
       eng = self.engine.config  # its park rows: 0 unless dividing
       admission = plan_step(requests, self.predictor, step=step,
                             policy=SCHEDULES[c.rollout.schedule],

@@ -22,7 +22,8 @@ prompts on its own host-local engine; training is one global program.
 Inputs are checked (`check_inputs`) before anything is written. Resumption: every process's
 data-iterator state, parameters, optimiser state and history store ride in the checkpoint;
 the RNG "state" is the seed itself (sampling keys are functions of seed, request id and
-position), so a resumed run samples what an uninterrupted one would. SIGTERM (to any process)
+position), so a resumed run samples what an uninterrupted one would (its updates agree to
+float32 rounding: rollouts.TIMING_DEPENDENT_METRICS says why). SIGTERM (to any process)
 saves at the next step boundary.
 """
 

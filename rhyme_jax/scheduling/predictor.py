@@ -32,7 +32,9 @@ STATS = ("mean", "max", "median", "q75", "q90")
 
 
 class LengthSource(Protocol):
-  """Read-only per-prompt response lengths by epoch (oldest epoch first)."""
+  """Read-only per-prompt response lengths by epoch (oldest epoch first). A source may also
+  carry `generation`, a stamp that changes whenever its content does: the predictor then
+  drops its caches by itself; without one it keeps them until `refresh`."""
 
   def keys(self) -> Iterable[Hashable]: ...
 
@@ -47,6 +49,7 @@ class LengthTable:
       raise ValueError(f"LengthTable: epochs_kept must be >= 1, got {epochs_kept}")
     self.epochs_kept = int(epochs_kept)
     self._table: dict[Hashable, dict[int, np.ndarray]] = {}
+    self.generation = 0  # bumped by every `add`
 
   def add(self, key: Hashable, epoch: int, lengths: Sequence[int]) -> None:
     """Records lengths of `key` in `epoch` (appended to that epoch's when it has some)."""
@@ -57,6 +60,7 @@ class LengthTable:
     per_epoch[int(epoch)] = np.concatenate([per_epoch.get(int(epoch), np.zeros(0, np.int64)), arr])
     for old in sorted(per_epoch)[:-self.epochs_kept]:
       del per_epoch[old]
+    self.generation += 1
 
   def keys(self) -> list[Hashable]:
     return list(self._table)
@@ -72,6 +76,10 @@ class StoreLengths:
 
   def __init__(self, store):
     self.store = store
+
+  @property
+  def generation(self) -> int:
+    return self.store.generation  # changes on add, eviction and reload
 
   def keys(self) -> list[Hashable]:
     return list(self.store.keys())
@@ -139,16 +147,24 @@ class LengthPredictor:
     self._population: dict[int, np.ndarray] | None = None
     self._all_lengths: tuple[list[int], list[float]] | None = None
     self._own_lengths: dict[Hashable, tuple[list[int], list[float]]] = {}
+    self._generation = getattr(source, "generation", None)
 
   def refresh(self) -> None:
-    """Forgets the cached populations and residual-life tables (call after the history
-    changed)."""
+    """Forgets the cached populations and residual-life tables. Automatic for a source with a
+    `generation` stamp (a history store, a `LengthTable`); call it after changing another."""
     self._population = None
     self._all_lengths = None
     self._own_lengths = {}
+    self._generation = getattr(self.source, "generation", None)
+
+  def _check_source(self) -> None:
+    """Drops the caches when the source's content changed since they were built."""
+    if getattr(self.source, "generation", None) != self._generation:
+      self.refresh()
 
   def _populations(self) -> dict[int, np.ndarray]:
     """Sorted group statistics of every prompt, per epoch."""
+    self._check_source()
     if self._population is None:
       per_epoch: dict[int, list[float]] = {}
       for key in self.source.keys():
@@ -189,7 +205,8 @@ class LengthPredictor:
 
   def _tables(self, key: Hashable) -> tuple:
     """`suffix_sums` tables of every prompt's kept lengths and of `key`'s (cached until
-    `refresh`)."""
+    the source changes)."""
+    self._check_source()
     if self._all_lengths is None:
       kept = [l for k in self.source.keys() for _, l in self.source.epoch_lengths(k)]
       self._all_lengths = suffix_sums(kept)

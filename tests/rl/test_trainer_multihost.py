@@ -13,8 +13,8 @@ updates; every prompt of the stream is sampled once by exactly one host and trai
 request ids, hence sampling keys, never repeat across hosts; the history store (spec on) is
 the same on both hosts. With --balance_hosts (hosts sample an LPT plan of the whole round
 and train on their slices) the run equals the unbalanced one: tokens and data exactly, training
-to float32 rounding. The
-SIGKILL / SIGTERM resumption test launches four runs and is slow.
+to float32 rounding (`assert_same_run` says why not bitwise). The SIGKILL / SIGTERM
+resumption test launches four runs per variant and is slow.
 """
 
 from __future__ import annotations
@@ -121,6 +121,37 @@ def params(log_dir, process):
     return {k: z[k] for k in z.files}
 
 
+TRAINING_METRICS = ("train/", "kl", "entropy", "clip_frac", "grad_norm")
+
+
+def assert_same_run(got, want, got_logs, want_logs):
+  """Two runs' logged metrics and final policies (every host's) agree: samples (tokens CRC32),
+  data, rewards and schedule exactly; training figures and parameters to float32 rounding.
+
+  Not bitwise: the engine picks its step shapes (bucket moves, speculation) by its cost model,
+  which measures this machine's step times and learns over a process's life, so two runs
+  (one resumed, or a prompt moved to another host) may decode a row in another batch shape.
+  A float32 forward in another shape rounds its last bits differently, and the loss reads the
+  rollout's log-probs (the importance weight, --tis_cap): seen, is_weight_mean 0.99999988
+  against 1.0 after a resume. The tokens are the same: the sampling keys follow the request
+  and position, not the shape."""
+  got, want = without_timing(got), without_timing(want)
+  assert [sorted(r) for r in got] == [sorted(r) for r in want]
+  for g, w in zip(got, want):
+    for k, v in w.items():
+      if k.startswith(TRAINING_METRICS):
+        assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (g["step"], k)
+      else:
+        assert g[k] == v, (g["step"], k)
+  # Adam moves a weight by up to ~--learning_rate (0.01) per step whatever its gradient's size,
+  # so a near-zero gradient's rounding shows as ~1e-6; a restore that lost state shows as ~1e-2.
+  for p in range(PROCESSES):
+    a, b = params(got_logs, p), params(want_logs, p)
+    assert sorted(a) == sorted(b)
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
 def run_pair(flags, log_dir, cache, timeout=600):
   pair = Pair(flags, log_dir, cache)
   codes = pair.wait(timeout)
@@ -222,19 +253,9 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   got = read_metrics(tmp_path / "balanced" / "metrics.jsonl")
   want = read_metrics(tmp_path / "plain" / "metrics.jsonl")
   plain_keys = lambda rs: [{k: v for k, v in r.items() if not k.startswith("schedule/")}
-                           for r in without_timing(rs)]
-  assert [sorted(r) for r in plain_keys(got)] == [sorted(r) for r in plain_keys(want)]
-  for g, w in zip(plain_keys(got), plain_keys(want)):
-    for k, v in w.items():  # samples (tokens CRC32), data, rewards exactly; training to rounding
-      if k.startswith(("train/", "kl", "entropy", "clip_frac", "grad_norm")):
-        assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (g["step"], k)
-      else:
-        assert g[k] == v, (g["step"], k)
+                           for r in rs]
+  assert_same_run(plain_keys(got), plain_keys(want), logs["balanced"], logs["plain"])
   assert sum(r["schedule/host_groups_moved"] for r in got) > 0  # the plan moved groups
-  for p in range(PROCESSES):
-    a, b = params(logs["balanced"], p), params(logs["plain"], p)
-    for k in a:
-      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
   sampled = lambda name, p: {e["step"]: e for e in events(logs[name], p, "generate")
                              if not e["greedy"]}
@@ -303,13 +324,20 @@ def _wait_for_step(metrics, step, pair, timeout=600):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("hosts", [
+    (),  # each host reads and samples its own slice
+    # each host reads whole rounds and samples its LPT share, refilled globally: the plan is
+    # made from the history store, so a resumed run must restore the store exactly
+    ("--balance_hosts", "--dynamic_sampling", "--dynamic_sampling_max_rounds=2"),
+], ids=["slices", "balanced"])
 def test_sigterm_and_sigkill_of_both_processes_resume_as_uninterrupted(eos_model, compile_cache,
-                                                                      tmp_path):
+                                                                      tmp_path, hosts):
   """SIGTERM to one process stops both at the same step boundary with a checkpoint; a SIGKILL
-  of both later; each rerun resumes. The run's metrics (every host's data and samples) and its
-  final policy equal an uninterrupted run's."""
+  of both later; each rerun resumes. The run's metrics (every host's data and samples, and with
+  --balance_hosts the plan's figures) and its final policy equal an uninterrupted run's
+  (training figures and policy to float32 rounding: `assert_same_run`)."""
   flags = lambda run: run_flags(eos_model, run, "--num_steps=5", "--checkpoint_every=1",
-                                "--spec=histospec", "--keep_checkpoints=2")
+                                "--spec=histospec", "--keep_checkpoints=2", *hosts)
   ref_logs = str(tmp_path / "ref_logs")
   run_pair(flags(tmp_path / "ref"), ref_logs, compile_cache)
 
@@ -334,11 +362,7 @@ def test_sigterm_and_sigkill_of_both_processes_resume_as_uninterrupted(eos_model
   assert all("resumed from" in pair.output(i) for i in range(PROCESSES))
   got, want = read_metrics(metrics), read_metrics(tmp_path / "ref" / "metrics.jsonl")
   assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
-  assert without_timing(got) == without_timing(want)  # same data, same samples, same updates
-  for p in range(PROCESSES):
-    a, b = params(logs, p), params(ref_logs, p)
-    for k in a:
-      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert_same_run(got, want, logs, ref_logs)  # same data, same samples, same updates
   # Taken over the three attempts, the stream positions of the final run's steps are those of
   # the uninterrupted run: nothing skipped, nothing repeated.
   def positions(log_dir):

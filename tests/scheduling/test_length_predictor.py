@@ -61,7 +61,6 @@ def test_a_one_prompt_newest_epoch_does_not_flatten_the_ranks():
   pred = LengthPredictor(table)
   assert [pred.predict(k).length for k in "abcd"] == pytest.approx([11, 55, 30, 21])
   table.add("e", 1, [40, 40])  # two prompts in the newest epoch: ranks map through it again
-  pred.refresh()
   assert pred.predict("a").length == pytest.approx(21) and pred.predict("b").length == 40
 
 
@@ -102,6 +101,44 @@ def test_store_adapter_matches_a_length_table_and_leaves_lru_order_alone():
     assert a.predict(key) == b.predict(key)
     assert a.remaining_tokens(key, 5, 64) == b.remaining_tokens(key, 5, 64)
   assert store.keys() == lru
+
+
+def test_caches_follow_the_store_without_refresh_and_a_plain_source_until_refresh():
+  """The predictor caches populations and residual tables. Over a history store they are
+  dropped whenever the store changes (add, eviction, reload from a checkpoint), so a trainer
+  never schedules on a stale view; a source without a `generation` keeps them until
+  `refresh`."""
+  store = HistoryStore(epochs_kept=1)
+  store.add_group("a", 0, [np.zeros(10, np.int32)] * 2)
+  store.add_group("b", 0, [np.zeros(30, np.int32)] * 2)
+  pred = LengthPredictor(StoreLengths(store))
+  # a's residual life: its two 10s with every prompt's mean as 4 more samples
+  residual = lambda every_mean: pytest.approx((2 * 10 + 4 * every_mean) / (2 + 4))
+  assert pred.predict("new").length == 20 and pred.remaining_tokens("a", 0, 100) == residual(20)
+  saved = store.state_dict()
+  store.add_group("c", 0, [np.zeros(50, np.int32)] * 2)
+  assert pred.predict("new").length == 30  # the population now holds c
+  assert pred.remaining_tokens("a", 0, 100) == residual(30)
+  store.load_state_dict(saved)  # a resume: back to a and b
+  assert pred.predict("new").length == 20 and pred.remaining_tokens("a", 0, 100) == residual(20)
+
+  class Plain:  # a LengthSource without a generation stamp
+    def __init__(self):
+      self.table = {"a": [(0, np.array([10, 10]))], "b": [(0, np.array([30, 30]))]}
+
+    def keys(self):
+      return list(self.table)
+
+    def epoch_lengths(self, key):
+      return self.table.get(key, [])
+
+  plain = Plain()
+  pred = LengthPredictor(plain)
+  assert pred.predict("new").length == 20
+  plain.table["c"] = [(0, np.array([50, 50]))]
+  assert pred.predict("new").length == 20  # cached
+  pred.refresh()
+  assert pred.predict("new").length == 30
 
 
 def test_remaining_tokens_is_the_empirical_residual_life():
@@ -170,7 +207,7 @@ def _own(table, key) -> np.ndarray:
   return np.concatenate(own) if own else np.zeros(0, np.int64)
 
 
-def test_remaining_tokens_matches_the_direct_formula_and_follows_refresh():
+def test_remaining_tokens_matches_the_direct_formula_and_follows_the_table():
   """The sorted suffix-sum tables give exactly the direct E[L - n | L > n] shrunk toward every
   prompt's, on random histories (ties, empty groups, n past every length); the tables are
   kept until `refresh`, like the rank populations."""
@@ -193,9 +230,7 @@ def test_remaining_tokens_matches_the_direct_formula_and_follows_refresh():
   table.add("a", 0, [10, 20, 30])
   pred = LengthPredictor(table, residual_prior=0)
   assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)
-  table.add("a", 0, [60])
-  assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(20.0)  # cached until refresh
-  pred.refresh()
+  table.add("a", 0, [60])  # the table's generation moved: the cached tables are dropped
   assert pred.remaining_tokens("a", 0, 1000) == pytest.approx(30.0)
 
 
