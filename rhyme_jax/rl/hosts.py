@@ -162,14 +162,20 @@ class SharedStep:
   kept: int  # groups kept for training, all hosts
 
 
-def share_step(records: Sequence[GroupRecord], stats: dict[str, Any], kept: int) -> SharedStep:
-  """Exchanges this host's sampled groups, counters and kept count with every other host."""
+def share_step(records: Sequence[GroupRecord], stats: dict[str, Any], kept: int,
+               held: Sequence[GroupRecord] | None = None) -> SharedStep:
+  """Exchanges this host's sampled groups, counters and kept count with every other host.
+  `held`: the step's groups as every host already holds them (`balanced_rounds` exchanged
+  them round by round), so none are sent; `records` is then empty."""
+  if held is not None and records:
+    raise ValueError("share_step: groups both held by every host and to be sent")
   if jax.process_count() == 1:
-    return SharedStep(list(records), dict(stats), kept)
+    return SharedStep(list(records if held is None else held), dict(stats), kept)
   plain = {k: v.item() if hasattr(v, "item") else v for k, v in stats.items()}
   mine = {"records": [r.to_json() for r in records], "stats": plain, "kept": kept}
   hosts = multihost.allgather_json(mine)
-  return SharedStep([GroupRecord.from_json(r) for h in hosts for r in h["records"]],
+  got = [GroupRecord.from_json(r) for h in hosts for r in h["records"]]
+  return SharedStep(got if held is None else list(held),
                     combine_stats([h["stats"] for h in hosts]), sum(h["kept"] for h in hosts))
 
 

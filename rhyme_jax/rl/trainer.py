@@ -271,8 +271,7 @@ class Trainer:
       bal = hosts.balanced_rounds(lambda: encode(next(self.data_iter)), self.rollouts, c,
                                   self.step, self.process_index, self.process_count, stats)
       kept = bal.mine
-      shared = hosts.share_step([], stats, len(kept))  # the groups were exchanged per round
-      shared.records = bal.records
+      shared = hosts.share_step([], stats, len(kept), held=bal.records)
     else:
       kept, records = [], []
       rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
@@ -281,10 +280,10 @@ class Trainer:
         prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
                                  c.rollout.max_prompt_len)
         groups = self.rollouts.sample_round(prompts, self.step, r, stats)
-        records += [GroupRecord.of(g) for g in groups]
-        if c.rl.dynamic_sampling:
-          groups = [g for g in groups if len({s.reward for s in g}) > 1]
-        kept += groups
+        new = [GroupRecord.of(g) for g in groups]
+        records += new
+        kept += [g for g, rec in zip(groups, new)
+                 if not c.rl.dynamic_sampling or hosts.informative(rec)]
         if len(kept) >= c.rl.prompts_per_step:
           break
       kept = kept[:c.rl.prompts_per_step]

@@ -164,3 +164,14 @@ def test_balanced_dynamic_sampling_refills_globally_until_the_hosts_kept_enough(
   rounds, (h0, h1) = _run_hosts(_cfg(True, rounds=2), lambda r, q: (r, q) == (1, 2),
                                 monkeypatch)
   assert len(h0.records) == 8 and len(h0.mine) == 1 and h1.mine == []
+
+
+def test_share_step_keeps_held_groups_and_refuses_both():
+  """Balanced rounds exchanged the groups already: share_step passes them through (one
+  process here) and sends none; given groups both held and to send it refuses."""
+  held = [GroupRecord.of(_group(p, q)) for q, p in enumerate(_round(2))]
+  shared = hosts.share_step([], {"tokens": 5}, 2, held=held)
+  assert shared.records == held and shared.kept == 2 and shared.stats == {"tokens": 5}
+  assert hosts.share_step(held, {}, 1).records == held
+  with pytest.raises(ValueError, match="share_step: groups both held"):
+    hosts.share_step(held, {}, 1, held=held)
