@@ -106,17 +106,39 @@ def informative(record: GroupRecord) -> bool:
 
 
 @dataclasses.dataclass
-class BalancedStep:
-  """A step's balanced rollout rounds as every host sees them (`balanced_rounds`)."""
+class StepRounds:
+  """A step's rollout rounds on this host (`local_rounds`, `balanced_rounds`)."""
 
   mine: list[list[Sample]]  # the groups this host trains on
-  records: list[GroupRecord]  # every round's groups, round by round, in data order
-  metrics: dict[str, float]
+  # local_rounds: this host's groups, to send (`share_step`); balanced_rounds: every host's,
+  # round by round in data order, already exchanged
+  records: list[GroupRecord]
+  metrics: dict[str, float]  # schedule/host_* figures of balanced rounds (none otherwise)
+
+
+def local_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
+                 stats: dict[str, Any]) -> StepRounds:
+  """Without --balance_hosts: a step's rollout rounds over this host's own slice of prompts.
+
+  With --dynamic_sampling, only groups whose rewards differ (`informative`) are kept and the
+  host reads further rounds of its slice until it kept prompts_per_step or ran the most rounds;
+  hosts may read different numbers of rounds. Every sampled group is recorded, kept or not."""
+  c = config
+  rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+  kept, records = [], []
+  for r in range(rounds):
+    groups = rollouts.sample_round(next_round(), step, r, stats)
+    new = [GroupRecord.of(g) for g in groups]
+    records += new
+    kept += [g for g, rec in zip(groups, new) if not c.rl.dynamic_sampling or informative(rec)]
+    if len(kept) >= c.rl.prompts_per_step:
+      break
+  return StepRounds(kept[:c.rl.prompts_per_step], records, {})
 
 
 def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
                     process_index: int, process_count: int, stats: dict[str, Any]
-                    ) -> BalancedStep:
+                    ) -> StepRounds:
   """--balance_hosts: a step's rollout rounds, each the whole batch of every host's prompts.
 
   Per round every host derives the same `HostPlan`, samples its share (request ids by round
@@ -150,7 +172,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
   mine = [g.samples(p) for p, g in kept[process_index * per_host:(process_index + 1) * per_host]]
   metrics = {k: float(sum(m[k] for m in mets) if k.endswith("moved")
                       else np.mean([m[k] for m in mets])) for k in mets[0]}
-  return BalancedStep(mine, records, metrics)
+  return StepRounds(mine, records, metrics)
 
 
 @dataclasses.dataclass

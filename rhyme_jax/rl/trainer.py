@@ -62,7 +62,7 @@ from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.registry import RewardFn
 from rhyme_jax.rl.rewards.scoring import Scorer
 from rhyme_jax.rl.rollouts import Rollouts, engine_config, eval_metrics, rollout_metrics
-from rhyme_jax.rl.samples import GroupRecord, encode_prompts, length_buckets
+from rhyme_jax.rl.samples import encode_prompts, length_buckets
 
 
 @dataclasses.dataclass
@@ -265,39 +265,23 @@ class Trainer:
     c = self.config
     t_step = time.perf_counter()
     stats: dict[str, Any] = {}
+    next_round = lambda: _encode(next(self.data_iter), self.tokenizer, c)
     if self.balance:  # global rounds over the whole batch, each host its plan's share
-      encode = lambda batch: encode_prompts(batch.prompts, batch.examples, batch.epochs,
-                                            self.tokenizer, c.rollout.max_prompt_len)
-      bal = hosts.balanced_rounds(lambda: encode(next(self.data_iter)), self.rollouts, c,
-                                  self.step, self.process_index, self.process_count, stats)
-      kept = bal.mine
-      shared = hosts.share_step([], stats, len(kept), held=bal.records)
-    else:
-      kept, records = [], []
-      rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
-      for r in range(rounds):  # this host's rounds: hosts may need different numbers of them
-        batch = next(self.data_iter)
-        prompts = encode_prompts(batch.prompts, batch.examples, batch.epochs, self.tokenizer,
-                                 c.rollout.max_prompt_len)
-        groups = self.rollouts.sample_round(prompts, self.step, r, stats)
-        new = [GroupRecord.of(g) for g in groups]
-        records += new
-        kept += [g for g, rec in zip(groups, new)
-                 if not c.rl.dynamic_sampling or hosts.informative(rec)]
-        if len(kept) >= c.rl.prompts_per_step:
-          break
-      kept = kept[:c.rl.prompts_per_step]
-      shared = hosts.share_step(records, stats, len(kept))
+      rounds = hosts.balanced_rounds(next_round, self.rollouts, c, self.step, self.process_index,
+                                     self.process_count, stats)
+      shared = hosts.share_step([], stats, len(rounds.mine), held=rounds.records)
+    else:  # this host's rounds over its own slice: hosts may need different numbers of them
+      rounds = hosts.local_rounds(next_round, self.rollouts, c, self.step, stats)
+      shared = hosts.share_step(rounds.records, stats, len(rounds.mine))
     self.rollouts.record(shared.records)
     m = rollout_metrics(shared.records, shared.kept, shared.stats,
                         c.rl.prompts_per_step * self.process_count)
-    if self.balance:
-      m.update(bal.metrics)
+    m.update(rounds.metrics)
     m.update(self.epoch_stats.update(
         m["data/epoch"], shared.stats, [x for g in shared.records for x in g.rewards],
         [len(r) for g in shared.records for r in g.responses]))
     if shared.kept:  # every process trains (with its kept groups, maybe none) or none does
-      m.update(self.learner.train_on(kept))
+      m.update(self.learner.train_on(rounds.mine))
       self.rollouts.engine.update_params(self._rollout_policy())
     else:  # dynamic sampling found no informative group: nothing to learn from this step
       m.update({"time/logprob": 0.0, "time/train": 0.0})
@@ -366,6 +350,12 @@ class Trainer:
       print(f"stopped at step {self.step} (checkpoint saved); rerun the same command to "
             "resume", file=sys.stderr)
     return history
+
+
+def _encode(batch, tokenizer, c: Config) -> list:
+  """A data batch's prompts as the rollout's `Prompt`s (tokenized, length-checked)."""
+  return encode_prompts(batch.prompts, batch.examples, batch.epochs, tokenizer,
+                        c.rollout.max_prompt_len)
 
 
 def _mesh(c: Config):

@@ -87,7 +87,8 @@ class _Rollouts:
   def __init__(self, predictor, informative):
     self.predictor, self.informative, self.calls = predictor, informative, []
 
-  def sample_round(self, prompts, step, round_idx, stats, positions):
+  def sample_round(self, prompts, step, round_idx, stats, positions=None):
+    positions = range(len(prompts)) if positions is None else positions
     self.calls.append((round_idx, list(positions)))
     out = []
     for p, q in zip(prompts, positions):
@@ -164,6 +165,32 @@ def test_balanced_dynamic_sampling_refills_globally_until_the_hosts_kept_enough(
   rounds, (h0, h1) = _run_hosts(_cfg(True, rounds=2), lambda r, q: (r, q) == (1, 2),
                                 monkeypatch)
   assert len(h0.records) == 8 and len(h0.mine) == 1 and h1.mine == []
+
+
+def test_local_rounds_refill_a_hosts_own_slice_and_record_every_group():
+  """Without --balance_hosts: one round without dynamic sampling, everything kept; with it,
+  rounds of the host's own slice until prompts_per_step informative groups, every sampled
+  group recorded (kept or not), the rest of the last round's informative ones dropped."""
+  rounds = [_round(2) for _ in range(3)]
+  predictor = _predictor(rounds[0], [50, 40])
+  read = iter(rounds)
+  got = hosts.local_rounds(lambda: next(read), _Rollouts(predictor, lambda r, q: False),
+                           _cfg(False), 0, {})
+  assert [g[0].prompt for g in got.mine] == rounds[0] and len(got.records) == 2
+  assert got.metrics == {}
+  keep = {(0, 1), (1, 0), (1, 1), (2, 0)}
+  sampler = _Rollouts(predictor, lambda r, q: (r, q) in keep)
+  read = iter(rounds)
+  got = hosts.local_rounds(lambda: next(read), sampler, _cfg(True), 0, {})
+  assert [c[0] for c in sampler.calls] == [0, 1]  # round 2 never read
+  assert [g[0].prompt for g in got.mine] == [rounds[0][1], rounds[1][0]]
+  assert [r.uid for r in got.records] == ["u0", "u1", "u0", "u1"]
+  assert [hosts.informative(r) for r in got.records] == [False, True, True, True]
+  # too few informative groups after every round: the host trains on what there is
+  read = iter(rounds)
+  got = hosts.local_rounds(lambda: next(read), _Rollouts(predictor, lambda r, q: r == 2 and q),
+                           _cfg(True), 0, {})
+  assert [g[0].prompt for g in got.mine] == [rounds[2][1]] and len(got.records) == 6
 
 
 def test_share_step_keeps_held_groups_and_refuses_both():
