@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 from bench.schedsim_grpo import grpo_cases  # noqa: E402
-from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
 from bench.schedsim_scenarios import shard_plan  # noqa: E402
+from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
 from rhyme_jax.scheduling.assignment import plan_hosts  # noqa: E402
 from rhyme_jax.scheduling.simulate import SimConfig, simulate  # noqa: E402
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402

@@ -105,6 +105,14 @@ def informative(record: GroupRecord) -> bool:
   return len(set(record.rewards)) > 1
 
 
+def _round_rule(config) -> tuple[int, Callable[[GroupRecord], bool]]:
+  """(rollout rounds a step may read, whether a sampled group is kept): with
+  --dynamic_sampling up to its most rounds, keeping `informative` groups; else one, all kept."""
+  if config.rl.dynamic_sampling:
+    return config.rl.dynamic_sampling_max_rounds, informative
+  return 1, lambda record: True
+
+
 @dataclasses.dataclass
 class StepRounds:
   """A step's rollout rounds on this host (`local_rounds`, `balanced_rounds`)."""
@@ -123,17 +131,17 @@ def local_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, s
   With --dynamic_sampling, only groups whose rewards differ (`informative`) are kept and the
   host reads further rounds of its slice until it kept prompts_per_step or ran the most rounds;
   hosts may read different numbers of rounds. Every sampled group is recorded, kept or not."""
-  c = config
-  rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+  per_host = config.rl.prompts_per_step
+  rounds, keeps = _round_rule(config)
   kept, records = [], []
   for r in range(rounds):
     groups = rollouts.sample_round(next_round(), step, r, stats)
     new = [GroupRecord.of(g) for g in groups]
     records += new
-    kept += [g for g, rec in zip(groups, new) if not c.rl.dynamic_sampling or informative(rec)]
-    if len(kept) >= c.rl.prompts_per_step:
+    kept += [g for g, rec in zip(groups, new) if keeps(rec)]
+    if len(kept) >= per_host:
       break
-  return StepRounds(kept[:c.rl.prompts_per_step], records, {})
+  return StepRounds(kept[:per_host], records, {})
 
 
 def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
@@ -152,7 +160,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
   and may read different numbers of rounds."""
   c = config
   per_host = c.rl.prompts_per_step
-  rounds = c.rl.dynamic_sampling_max_rounds if c.rl.dynamic_sampling else 1
+  rounds, keeps = _round_rule(c)
   records, kept, mets = [], [], []
   for r in range(rounds):
     prompts = next_round()
@@ -164,8 +172,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
     in_order = in_data_order(got, plan)
     records += in_order
     mets.append(plan.metrics(in_order))
-    kept += [(prompts[q], g) for q, g in enumerate(in_order)
-             if not c.rl.dynamic_sampling or informative(g)]
+    kept += [(prompts[q], g) for q, g in enumerate(in_order) if keeps(g)]
     if len(kept) >= per_host * process_count:
       break
   kept = kept[:per_host * process_count]
