@@ -54,8 +54,7 @@ from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # 
                                    trace_cases, write_trace)
 from rhyme_jax.scheduling.admission import (RESIDUAL_QUANTILE, StaticPolicy,  # noqa: E402
                                             make_policy)
-from rhyme_jax.scheduling.simulate import (DividedRollout, SimConfig,  # noqa: E402
-                                           simulate)
+from rhyme_jax.scheduling.simulate import SimConfig, simulate  # noqa: E402
 from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable  # noqa: E402
 
 # Device time of divided rollout's yields (two KV row copies each), per yield and per pass
@@ -129,18 +128,10 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
                               slot_counts(args, num_requests), args.tables)
     for sc in scenarios(args, num_requests, chunk):
       table = args.tables[sc.table]
-      cfg = SimConfig(slots=sc.slots, buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1)
-                                                    if b <= sc.slots),
-                      shrink=sc.shrink, shards=sc.shards,
-                      accepted=((sc.budget, sc.accepted),) if sc.accepted > 1 else (),
-                      prefill_ms_per_token=PREFILL_MS_PER_TOKEN[sc.table],
-                      divided=DividedRollout(sc.chunk, sc.keep_kv, args.yield_ms[sc.table],
-                                             args.yield_pass_ms[sc.table]),
-                      multi_step=sc.multi_step, pipeline=sc.pipeline)
+      cfg = sc.sim_config(args.yield_ms, args.yield_pass_ms)
       # The order is told a pass of one yield, in steps of the batch (as the engine tells it),
       # times --told_cost (a sensitivity check of the margin rule; 1 = the engine's).
-      yield_cost = ((args.yield_ms[sc.table] + args.yield_pass_ms[sc.table])
-                    / table.ms(sc.slots, 0)) * args.told_cost
+      yield_cost = sc.told_yield_cost(table, args.yield_ms, args.yield_pass_ms, args.told_cost)
       per_step = {p: [] for p in POLICIES}
       for case in cases:
         plan = (shard_plan(sc.plan, case.jobs, case.predictor, sc.shards) if sc.shards > 1

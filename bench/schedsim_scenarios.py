@@ -15,6 +15,8 @@ import dataclasses
 import numpy as np
 
 from rhyme_jax.scheduling.assignment import lpt_assign, plan_shards
+from rhyme_jax.scheduling.simulate import DividedRollout, SimConfig
+from rhyme_jax.scheduling.step_time import PREFILL_MS_PER_TOKEN, StepTimeTable
 
 
 def shard_plan(kind: str, jobs, predictor, shards: int):
@@ -52,6 +54,26 @@ class Scenario:
     return (f"{self.table} | {self.shards}x{self.slots} | {'yes' if self.shrink else 'no'} | "
             f"{spec} | {self.plan} | "
             f"{self.chunk_label()} | {self.launch_label()}")
+
+  def sim_config(self, yield_ms: dict, yield_pass_ms: dict) -> SimConfig:
+    """The simulator's engine for this scenario; `yield_ms` / `yield_pass_ms`: {table name:
+    ms} a yield / a pass that yields stalls its shard."""
+    return SimConfig(slots=self.slots,
+                     buckets=tuple(b for b in (64, 32, 16, 8, 4, 2, 1) if b <= self.slots),
+                     shrink=self.shrink, shards=self.shards,
+                     accepted=((self.budget, self.accepted),) if self.accepted > 1 else (),
+                     prefill_ms_per_token=PREFILL_MS_PER_TOKEN[self.table],
+                     divided=DividedRollout(self.chunk, self.keep_kv, yield_ms[self.table],
+                                            yield_pass_ms[self.table]),
+                     multi_step=self.multi_step, pipeline=self.pipeline)
+
+  def told_yield_cost(self, table: StepTimeTable, yield_ms: dict, yield_pass_ms: dict,
+                      told_cost: float = 1.0) -> float:
+    """The yield cost an online order is told: a pass of one yield in decode steps of the
+    full batch, as the engine tells it, times `told_cost` (a sensitivity factor; 1 = the
+    engine's)."""
+    return ((yield_ms[self.table] + yield_pass_ms[self.table]) / table.ms(self.slots, 0)
+            * told_cost)
 
   def launch_label(self) -> str:
     return f"{self.multi_step}" + (" piped" if self.pipeline else "")
