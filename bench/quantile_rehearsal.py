@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from bench.schedsim import YIELD_MS, YIELD_PASS_MS, _slot_pair, _table  # noqa: E402
+from bench.schedsim import YIELD_MS, YIELD_PASS_MS, slot_pair_arg, table_arg  # noqa: E402
 from bench.schedsim_grpo import StepCase  # noqa: E402
 from bench.schedsim_scenarios import scenarios  # noqa: E402
 from bench.schedsim_traces import trace_cases  # noqa: E402
@@ -141,9 +141,9 @@ def main(argv=None) -> None:
   ap.add_argument("--max_new_tokens", type=int, default=512)
   ap.add_argument("--chunk", type=int, default=0,
                   help="divided-rollout chunk (tokens); 0 = min(64, max_new_tokens / 4)")
-  ap.add_argument("--slots", type=_slot_pair, default=None,
+  ap.add_argument("--slots", type=slot_pair_arg, default=None,
                   help="H,C: rows per shard on the h100 / cpu tables (default: scaled)")
-  ap.add_argument("--table", type=_table, action="append", default=[],
+  ap.add_argument("--table", type=table_arg, action="append", default=[],
                   help="NAME=PATH: a step-time table in place of a built-in one (repeatable)")
   ap.add_argument("--quantiles", type=_quantiles, default=(0.5, 0.75, 0.9),
                   help="the candidate quantiles, comma-separated")

@@ -219,7 +219,7 @@ def _positive(text: str) -> float:
   return x
 
 
-def _table(text: str) -> tuple[str, StepTimeTable]:
+def table_arg(text: str) -> tuple[str, StepTimeTable]:
   """NAME=PATH: a step-time table file (StepTimeTable.from_file) in place of a built-in one."""
   name, sep, path = text.partition("=")
   if not sep or name not in ("h100", "cpu"):
@@ -230,7 +230,7 @@ def _table(text: str) -> tuple[str, StepTimeTable]:
     raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
-def _slot_pair(text: str) -> tuple[int, int]:
+def slot_pair_arg(text: str) -> tuple[int, int]:
   try:
     h, c = (int(x) for x in text.split(","))
   except ValueError:
@@ -267,7 +267,7 @@ def main(argv=None) -> None:
   ap.add_argument("--plans", default="data_order,lpt_history,lpt_oracle")
   ap.add_argument("--chunk", type=int, default=0,
                   help="divided-rollout chunk (tokens); 0 = min(64, max_new_tokens / 4)")
-  ap.add_argument("--slots", type=_slot_pair, default=None,
+  ap.add_argument("--slots", type=slot_pair_arg, default=None,
                   help="H,C: rows per shard on the h100 / cpu tables (default: scaled to the "
                        "step, 64 / 32 for 128 requests)")
   ap.add_argument("--yield_ms", type=_yield_pair,
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
                   help="H,C: ms more per step that yields at all (the engine copies a pass's "
                        "rows in one call each way; default: measured, "
                        f"{YIELD_PASS_MS['h100']:g},{YIELD_PASS_MS['cpu']:g})")
-  ap.add_argument("--table", type=_table, action="append", default=[],
+  ap.add_argument("--table", type=table_arg, action="append", default=[],
                   help="NAME=PATH (NAME: h100 or cpu): step times from a JSON file "
                        "([{bucket, budget, ms}, ...], e.g. bench/schedule_engine.py "
                        "--write_step_times: a real engine's warm-up) in place of that built-in "
