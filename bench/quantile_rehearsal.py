@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.schedsim import YIELD_MS, YIELD_PASS_MS, slot_pair_arg, table_arg  # noqa: E402
 from bench.schedsim_grpo import StepCase  # noqa: E402
-from bench.schedsim_scenarios import scenarios  # noqa: E402
+from bench.schedsim_scenarios import divided_chunk, scenarios  # noqa: E402
 from bench.schedsim_traces import trace_cases  # noqa: E402
 from rhyme_jax.scheduling.admission import RESIDUAL_QUANTILE, make_policy  # noqa: E402
 from rhyme_jax.scheduling.simulate import simulate  # noqa: E402
@@ -75,9 +75,9 @@ def run(args) -> tuple[list[list], list[str]]:
   rows, notes = [], []
   for spec in args.trace:
     name, cases = trace_cases(spec, args, notes)
-    chunk = args.chunk or max(min(64, cases[0].jobs[0][0].max_new_tokens // 4), 1)
+    chunk = divided_chunk(args.chunk, cases[0].jobs[0][0].max_new_tokens)
     for sc in scenarios(args, len(cases[0].jobs), chunk):
-      if not sc.chunk or not sc.keep_kv or sc.kv_rows or sc.shards > 1 or sc.accepted > 1:
+      if not sc.divided_reference:
         continue
       table = args.tables[sc.table]
       cfg = sc.sim_config(YIELD_MS, YIELD_PASS_MS)

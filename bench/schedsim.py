@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.schedsim_bounds import BOUNDS, blind_draws, divided_bounds  # noqa: E402
 from bench.schedsim_grpo import aggregate  # noqa: E402
-from bench.schedsim_scenarios import scenarios, shard_plan, slot_counts  # noqa: E402
+from bench.schedsim_scenarios import (divided_chunk, scenarios, shard_plan,  # noqa: E402
+                                      slot_counts)
 from bench.schedsim_traces import (Trace, history_predictor, load_npz_trace,  # noqa: E402,F401
                                    load_trace, split_groups, step_jobs, synthetic_trace,
                                    trace_cases, write_trace)
@@ -121,7 +122,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
   for spec in args.trace:
     name, cases = trace_cases(spec, args, notes)
     num_requests = len(cases[0].jobs)
-    chunk = args.chunk or max(min(64, cases[0].jobs[0][0].max_new_tokens // 4), 1)
+    chunk = divided_chunk(args.chunk, cases[0].jobs[0][0].max_new_tokens)
     if len(cases) == 1:  # cross-step alternation: the step split in two
       c = cases[0]
       overlap += overlap_rows(name, c.jobs, c.predictor, c.truth,
@@ -181,7 +182,7 @@ def run(args) -> tuple[list[list], list[list], list[list], list[str]]:
             f"{b[:, 2].mean():.0f} ({b[:, 2].min():.0f}-{b[:, 2].max():.0f})",
             f"{b[:, 0].mean():.3f}", f"{b[:, 0].min():.3f}", f"{100 * b[:, 1].mean():.0f}%",
             f"{100 * b[:, 1].max():.0f}%"])
-      if sc.chunk and sc.keep_kv and not sc.kv_rows:  # divided rollout's references
+      if sc.divided_reference:  # divided rollout's references
         b = divided_bounds(cases, table, cfg, yield_cost, args.residual_quantile, known={
             p: (results[p].makespan_ms, results[p].tail_ms)
             for p in ("history_residual", "oracle", "fifo")})

@@ -55,6 +55,13 @@ class Scenario:
             f"{spec} | {self.plan} | "
             f"{self.chunk_label()} | {self.launch_label()}")
 
+  @property
+  def divided_reference(self) -> bool:
+    """One shard, shrinking buckets, no speculation, divided rollout with every yielded KV
+    kept: where divided rollout's references and the quantile rehearsal are measured."""
+    return (self.shards == 1 and self.shrink and self.accepted <= 1 and self.chunk > 0
+            and self.keep_kv and not self.kv_rows)
+
   def sim_config(self, yield_ms: dict, yield_pass_ms: dict) -> SimConfig:
     """The simulator's engine for this scenario; `yield_ms` / `yield_pass_ms`: {table name:
     ms} a yield / a pass that yields stalls its shard."""
@@ -83,6 +90,11 @@ class Scenario:
       return "-"
     return (f"{self.chunk}" + ("" if self.keep_kv else " re-prefill")
             + (f" kv {self.kv_rows:g}x" if self.kv_rows else ""))
+
+
+def divided_chunk(chunk: int, max_new_tokens: int) -> int:
+  """Divided rollout's chunk: `chunk` (--chunk), else min(64, max_new_tokens / 4), at least 1."""
+  return chunk or max(min(64, max_new_tokens // 4), 1)
 
 
 def slot_counts(args, num_requests: int) -> tuple[int, int]:
