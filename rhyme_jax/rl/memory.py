@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rhyme_jax import multihost, parallel
+from rhyme_jax import multihost
 from rhyme_jax.config import Config, ConfigError
 from rhyme_jax.models import sharding
 from rhyme_jax.models.config import ModelConfig
@@ -156,8 +156,3 @@ def check_fits(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimat
         "shard more (--mesh_fsdp / --mesh_tensor), or lower --micro_batch_size, "
         "--group_size x --prompts_per_step or --max_new_tokens")
   return est
-
-
-def mesh_of(config: Config):
-  """The run's mesh over this process's view of the devices."""
-  return parallel.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)

@@ -37,10 +37,6 @@ class PackedTrees(NamedTuple):
   q_start_B: np.ndarray  # int32 first packed index of each row
   q_len_B: np.ndarray  # int32 1 + draft nodes for a live row, 0 for an empty slot
 
-  @property
-  def drafted_B(self) -> np.ndarray:
-    return np.maximum(self.q_len_B - 1, 0)
-
   def wire(self) -> np.ndarray:
     """The six arrays as one int32 array of (3 + WORDS) P + 2 B entries (ancestor bits bit-cast),
     so a step's inputs cross to the device in one transfer rather than six (`from_wire`)."""
