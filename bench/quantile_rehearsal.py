@@ -30,14 +30,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common  # noqa: E402
-from bench.schedsim import YIELD_MS, YIELD_PASS_MS, slot_pair_arg, table_arg  # noqa: E402
+from bench import common, schedsim_divided  # noqa: E402
 from bench.schedsim_grpo import StepCase  # noqa: E402
-from bench.schedsim_scenarios import divided_chunk, scenarios  # noqa: E402
-from bench.schedsim_traces import trace_cases  # noqa: E402
 from rhyme_jax.scheduling.admission import RESIDUAL_QUANTILE, make_policy  # noqa: E402
 from rhyme_jax.scheduling.simulate import simulate  # noqa: E402
-from rhyme_jax.scheduling.step_time import StepTimeTable  # noqa: E402
 
 SELECTORS = {"makespan": lambda r: (r.makespan_ms, r.tail_ms),
              "tail": lambda r: (r.tail_ms, r.makespan_ms)}
@@ -73,45 +69,37 @@ def pick_quantile(case: StepCase, candidates, simulate_with, select: str) -> flo
 
 def run(args) -> tuple[list[list], list[str]]:
   rows, notes = [], []
-  for spec in args.trace:
-    name, cases = trace_cases(spec, args, notes)
-    chunk = divided_chunk(args.chunk, cases[0].jobs[0][0].max_new_tokens)
-    for sc in scenarios(args, len(cases[0].jobs), chunk):
-      if not sc.divided_reference:
-        continue
-      table = args.tables[sc.table]
-      cfg = sc.sim_config(YIELD_MS, YIELD_PASS_MS)
-      yield_cost = sc.told_yield_cost(table, YIELD_MS, YIELD_PASS_MS)
-      sums, picks = collections.Counter(), {s: collections.Counter() for s in args.select}
-      for case in cases:
-        def residual(jobs, q, case=case):
-          return simulate(jobs, lambda: make_policy(
-              "history_residual", predictor=case.predictor, yield_cost=yield_cost,
-              residual_quantile=q), table, cfg)
-        truth = case.truth
-        for ref, factory in (("fifo", lambda: make_policy("fifo")),
-                             ("oracle", lambda: make_policy("oracle", true_lengths=truth))):
-          res = simulate(case.jobs, factory, table, cfg)
-          sums[ref, "makespan"] += res.makespan_ms
-          sums[ref, "tail"] += res.tail_ms
-        step = {q: residual(case.jobs, q) for q in args.quantiles}
-        for q, res in step.items():
-          sums[q, "makespan"] += res.makespan_ms
-          sums[q, "tail"] += res.tail_ms
-        for s in args.select:
-          q = pick_quantile(case, args.quantiles, residual, s)
-          picks[s][q] += 1
-          res = step[q] if q in step else residual(case.jobs, q)
-          sums[s, "makespan"] += res.makespan_ms
-          sums[s, "tail"] += res.tail_ms
-      ratio = lambda k: f"{sums[k, 'makespan'] / sums['oracle', 'makespan']:.3f}"
-      cut = lambda k: (f"{100 * (1 - sums[k, 'tail'] / sums['fifo', 'tail']):.0f}%"
-                       if sums["fifo", "tail"] else "-")
-      keys = [*args.quantiles, *args.select]
-      rows.append([name, sc.table, f"1x{sc.slots}", sc.chunk_label(), sc.launch_label(),
-                   len(cases)] + [f"{ratio(k)}, {cut(k)}" for k in keys]
-                  + ["; ".join(f"{s}: " + " ".join(f"{q:g}x{n}" for q, n in sorted(c.items()))
-                               for s, c in picks.items())])
+  for replay in schedsim_divided.runs(args, notes):
+    table, cfg, yield_cost = replay.table, replay.config, replay.yield_cost
+    sums, picks = collections.Counter(), {s: collections.Counter() for s in args.select}
+    for case in replay.cases:
+      def residual(jobs, q, case=case):
+        return simulate(jobs, lambda: make_policy(
+            "history_residual", predictor=case.predictor, yield_cost=yield_cost,
+            residual_quantile=q), table, cfg)
+      truth = case.truth
+      for ref, factory in (("fifo", lambda: make_policy("fifo")),
+                           ("oracle", lambda: make_policy("oracle", true_lengths=truth))):
+        res = simulate(case.jobs, factory, table, cfg)
+        sums[ref, "makespan"] += res.makespan_ms
+        sums[ref, "tail"] += res.tail_ms
+      step = {q: residual(case.jobs, q) for q in args.quantiles}
+      for q, res in step.items():
+        sums[q, "makespan"] += res.makespan_ms
+        sums[q, "tail"] += res.tail_ms
+      for s in args.select:
+        q = pick_quantile(case, args.quantiles, residual, s)
+        picks[s][q] += 1
+        res = step[q] if q in step else residual(case.jobs, q)
+        sums[s, "makespan"] += res.makespan_ms
+        sums[s, "tail"] += res.tail_ms
+    ratio = lambda k: f"{sums[k, 'makespan'] / sums['oracle', 'makespan']:.3f}"
+    cut = lambda k: (f"{100 * (1 - sums[k, 'tail'] / sums['fifo', 'tail']):.0f}%"
+                     if sums["fifo", "tail"] else "-")
+    keys = [*args.quantiles, *args.select]
+    rows.append(replay.label() + [f"{ratio(k)}, {cut(k)}" for k in keys]
+                + ["; ".join(f"{s}: " + " ".join(f"{q:g}x{n}" for q, n in sorted(c.items()))
+                             for s, c in picks.items())])
   return rows, notes
 
 
@@ -136,45 +124,26 @@ def _selectors(text: str) -> tuple[str, ...]:
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--trace", action="append", required=True,
-                  help="as bench/schedsim.py's --trace (repeatable)")
-  ap.add_argument("--max_new_tokens", type=int, default=512)
-  ap.add_argument("--chunk", type=int, default=0,
-                  help="divided-rollout chunk (tokens); 0 = min(64, max_new_tokens / 4)")
-  ap.add_argument("--slots", type=slot_pair_arg, default=None,
-                  help="H,C: rows per shard on the h100 / cpu tables (default: scaled)")
-  ap.add_argument("--table", type=table_arg, action="append", default=[],
-                  help="NAME=PATH: a step-time table in place of a built-in one (repeatable)")
+  schedsim_divided.add_args(ap)
   ap.add_argument("--quantiles", type=_quantiles, default=(0.5, 0.75, 0.9),
                   help="the candidate quantiles, comma-separated")
   ap.add_argument("--select", type=_selectors, default=tuple(SELECTORS),
                   help="how a rehearsal is scored: makespan, tail (comma-separated)")
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
-  args = ap.parse_args(argv)
-  # what bench/schedsim_traces.trace_cases and schedsim_scenarios.scenarios read
-  args.epochs_kept, args.stat, args.split_groups = 1, "mean", False
-  args.accepted, args.budget, args.plans = 1.7, 16, "data_order"  # rows skipped here
-  args.tables = {name: StepTimeTable.builtin(name) for name in ("h100", "cpu")}
-  args.tables.update(args.table)
+  args = schedsim_divided.complete(ap.parse_args(argv))
   rows, notes = run(args)
   table = common.markdown_table(
-      ["trace", "table", "shards x slots", "chunk", "launch", "steps"]
+      schedsim_divided.LABEL_HEADER
       + [f"q {q:g}: makespan / oracle, tail cut" for q in args.quantiles]
       + [f"rehearsed ({s})" for s in args.select] + ["quantiles picked (x steps)"], rows)
-  print(table)
-  for n in notes:
-    print("-", n)
-  if not args.no_append:
-    common.append_results(
-        "Residual quantile chosen per step by rehearsal (bench/quantile_rehearsal.py)", table,
-        ["simulated, not run (rhyme_jax/scheduling/simulate.py, bench/schedsim.py's step-time "
-         "tables and yield costs): history_residual with divided rollout, KV kept, one shard; "
-         "makespan / oracle and tail cut vs FIFO summed over the trace's steps",
-         "rehearsed (makespan / tail): each step runs the candidate quantile whose replay of "
-         "the step's requests at their prompts' newest kept lengths, predicted from that same "
-         "history, had the least makespan (then tail) / tail (then makespan)",
-         *notes, *args.note])
+  schedsim_divided.report(
+      args, "Residual quantile chosen per step by rehearsal (bench/quantile_rehearsal.py)",
+      table, notes,
+      ["simulated, not run (rhyme_jax/scheduling/simulate.py, bench/schedsim.py's step-time "
+       "tables and yield costs): history_residual with divided rollout, KV kept, one shard; "
+       "makespan / oracle and tail cut vs FIFO summed over the trace's steps",
+       "rehearsed (makespan / tail): each step runs the candidate quantile whose replay of "
+       "the step's requests at their prompts' newest kept lengths, predicted from that same "
+       "history, had the least makespan (then tail) / tail (then makespan)"])
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ Launches (`multi_step` > 1, the engine's `EngineConfig.multi_step`): a stretch o
 runs as one launch of that many steps, shortened to one step by the engine's token-cap rule
 (`rollout.loop.Rollout._launch_steps`: while requests wait, where a row would reach its cap
 inside the launch; with none waiting, where every row would). A request that ends inside a
-launch holds its row until the launch ends, and is recorded as finished at the launch's end.
+launch holds its row until the launch ends, and is recorded as finished at the launch's end
+(`SimResult.finish_ms`, what the host sees; `step_finish_ms` keeps the step that computed its
+last token, the engine's modelled clock).
 Pipelining (`pipeline`, the engine's default): the engine dispatches a launch before it reads
 the one before, so admissions and yields see each launch's outputs one launch late, and a row
 that finished stays in the batch (computing nothing) for one more launch while requests wait;
@@ -127,6 +129,15 @@ class SimResult:
   yields: int = 0  # divided rollout: slots given up
   yield_passes: int = 0  # steps of a shard that gave up at least one (one copy call each way)
   launches: int = 0  # compiled calls: steps, fewer with multi_step > 1
+  # per request, when the step that computed its last token ended (finish_ms is when its launch
+  # ended, the soonest the host can see it): equal at one step per launch
+  step_finish_ms: np.ndarray | None = None
+
+  @property
+  def step_tail_ms(self) -> float:
+    """The tail on the step clock (`step_finish_ms`): what the order achieved, without the
+    launch's granularity in which the host sees it."""
+    return tail_time(self.step_finish_ms) if len(self.step_finish_ms) else 0.0
 
 
 def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
@@ -166,6 +177,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   finished: dict[int, int] = {}
   live_len: dict[int, int] = {}
   finish_at: dict[int, float] = {}
+  step_finish_at: dict[int, float] = {}
   t = [0.0] * cfg.shards
   rows: list[list[_Job]] = [[] for _ in range(cfg.shards)]
   # Pipelining: per shard, the last launch's rows with their progress, not read yet, the
@@ -258,6 +270,7 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       if not left or (min(left) if waiting else max(left)) >= cfg.multi_step:
         k = cfg.multi_step
     dt = table.ms(bucket, budget)
+    launch_start = t[s]
     t[s] += k * dt
     steps += k
     shard_launches[s] += 1
@@ -272,6 +285,8 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       tokens += step_tokens
       if j.progress >= j.length:
         finish_at[j.meta.request_id] = t[s]
+        step_finish_at[j.meta.request_id] = (  # the launch's step that made its last token
+            launch_start + dt * max(math.ceil(step_tokens / advance - 1e-9), 1))
     if unread[s] is not None:  # the launch before this one, read while this one runs
       read(s)
     unread[s] = ([(j, j.progress) for j in rows[s]], [], k)
@@ -309,4 +324,5 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
   return SimResult(finish, makespan, tail_time(finish) if len(finish) else 0.0,
                    busy / max(cfg.shards * cfg.slots * makespan, 1e-12), steps, spec_steps,
                    tokens, prefill_tokens, migrations, np.array(t), peak_started, yields,
-                   passes, sum(shard_launches))
+                   passes, sum(shard_launches),
+                   np.array([step_finish_at[j.meta.request_id] for j in work], np.float64))

@@ -55,6 +55,8 @@ def test_launches_of_several_steps_hold_rows_to_their_end_and_respect_caps():
   # 1 runs a whole launch with nothing waiting (a cap of 4096 leaves room).
   res = simulate(_jobs([6, 2]), fifo, FLAT, cfg)
   assert list(res.finish_ms) == [8.0, 12.0] and (res.steps, res.launches) == (12, 3)
+  # On the step clock each ends with the step that computed its last token: 6, then 8 + 2.
+  assert list(res.step_finish_ms) == [6.0, 10.0]
   # With a request waiting, a row 1 token from its cap runs a one-step launch (loop's rule).
   capped = [(RequestMeta(i, i, f"p{i}", i, 5), n) for i, n in enumerate([5, 1])]
   res = simulate(capped, fifo, FLAT, cfg)
@@ -103,6 +105,11 @@ def test_every_request_finishes_and_tokens_are_conserved(shards, divided, launch
     # No request finishes before its own tokens could have been generated.
     fastest = min(table.ms(1, 0), table.ms(1, 8) / 1.8)
     assert np.all(res.finish_ms >= np.ceil(lengths / 1.8) * fastest - 1e-9)
+    # The step clock is never later than the launch clock, and the same at one step a launch.
+    assert np.all(res.step_finish_ms <= res.finish_ms + 1e-9)
+    assert np.all(res.step_finish_ms >= np.ceil(lengths / 1.8) * fastest - 1e-9)
+    if launch[0] == 1:
+      np.testing.assert_array_equal(res.step_finish_ms, res.finish_ms)
 
 
 def test_divided_rollout_moves_work_off_a_loaded_shard():
