@@ -8,7 +8,8 @@ requests), slot utilisation, ratios to the oracle order (true lengths, longest f
 tail cut vs FIFO; prints the table and appends it to bench/RESULTS.md. Reference orders no
 policy can run (bench/schedsim_bounds.py) bound what any order could reach: per-prompt orders
 without preemption, and divided rollout knowing the step's drift, each prompt's true
-lengths or each request's.
+lengths or each request's; beside them, divided rollout knowing only the length distribution
+(the step's prompts' history pooled), which shows what the per-prompt history adds.
 `--told_cost` scales the yield cost history_residual weighs (a sensitivity check of its margin
 rule).
 
@@ -333,7 +334,9 @@ def main(argv=None) -> None:
         args.blind_rows)
   if args.bound_rows:
     table += ("\n\nWhat divided rollout could reach (one shard, chunk scenarios): "
-              "history_residual against the same rule over the history rescaled to the step's "
+              "history_residual against the same rule over the step's prompts' history pooled "
+              "(one length distribution for all: what the per-prompt history adds), over the "
+              "history rescaled to the step's "
               "true mean length (the drift as one factor per step), over the step's own "
               "lengths per prompt (each prompt's true length distribution, not which sample is "
               "which) and over each request's true length (clairvoyant LRPT); makespan / "

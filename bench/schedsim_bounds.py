@@ -3,8 +3,11 @@
 They split a policy's distance from the oracle into what it could and could not have known:
 - `blind_draws`: any per-prompt order without preemption. A prompt's samples are
   indistinguishable before they run, so it sees the trace with each group's lengths shuffled.
-- `divided_bounds`: divided rollout (preemption every chunk tokens) with three references
+- `divided_bounds`: divided rollout (preemption every chunk tokens) with four references
   against history_residual:
+  - pooled history: the same residual rule over the step's prompts' kept lengths pooled into
+    one distribution, the same for every prompt. It knows the length distribution and each
+    request's tokens so far, not which prompt runs long: what the per-prompt history adds.
   - rescaled history: the history times one factor per step, the step's true mean length over
     its prompts' kept mean. It knows how far the whole length distribution drifted since the
     history was recorded, not how each prompt moved.
@@ -90,6 +93,19 @@ def rescaled_predictor(case: StepCase) -> LengthPredictor:
   return LengthPredictor(table, stat=case.predictor.stat)
 
 
+def pooled_predictor(case: StepCase) -> LengthPredictor:
+  """A predictor whose history gives every prompt of the step the same lengths: all the
+  step's prompts' kept lengths together (a prompt without history adds none)."""
+  keys = sorted({m.prompt_key for m, _ in case.jobs})
+  kept = [l for k in keys for _, l in case.table.epoch_lengths(k)]
+  table = LengthTable(epochs_kept=1)
+  if kept:
+    pooled = np.concatenate(kept)
+    for key in keys:
+      table.add(key, case.epoch - 1, pooled)
+  return LengthPredictor(table, stat=case.predictor.stat)
+
+
 def own_lengths_predictor(case: StepCase) -> LengthPredictor:
   """A predictor whose history is the step's own lengths per prompt (one epoch)."""
   table = LengthTable(epochs_kept=1)
@@ -101,7 +117,8 @@ def own_lengths_predictor(case: StepCase) -> LengthPredictor:
   return LengthPredictor(table)
 
 
-BOUNDS = ("history_residual", "rescaled_history", "own_lengths", "clairvoyant")
+BOUNDS = ("history_residual", "pooled_history", "rescaled_history", "own_lengths",
+          "clairvoyant")
 
 
 def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
@@ -123,8 +140,10 @@ def divided_bounds(cases: list[StepCase], table, cfg, yield_cost: float,
   for case in cases:
     truth = case.truth
     own, rescaled = own_lengths_predictor(case), rescaled_predictor(case)
+    pooled = pooled_predictor(case)
     factories = {
         "history_residual": lambda: residual(case.predictor),
+        "pooled_history": lambda: residual(pooled),
         "rescaled_history": lambda: residual(rescaled),
         "own_lengths": lambda: residual(own),
         "clairvoyant": lambda: ClairvoyantResidual(truth, yield_cost),

@@ -49,6 +49,17 @@ def test_npz_and_jsonl_traces_round_trip(tmp_path):
     schedsim.load_trace(str(tmp_path / "bad.jsonl"))
 
 
+def _is_detail(cells) -> bool:
+  """A row of the per-policy detail table (15 cells, the policy's name sixth)."""
+  return len(cells) == 15 and cells[5] in schedsim.POLICIES
+
+
+def _is_bounds(cells) -> bool:
+  """A row of divided rollout's references: 5 label cells, then a ratio and a tail cut per
+  reference (`BOUNDS`)."""
+  return len(cells) == 5 + 2 * len(schedsim.BOUNDS) and not _is_detail(cells)
+
+
 def test_full_run_on_a_small_trace(tmp_path, capsys):
   trace = schedsim.synthetic_trace(3, num_prompts=8, group_size=4, max_new_tokens=64)
   schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
@@ -56,19 +67,22 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
                  "--blind_draws", "3", "--no_append"])
   out = capsys.readouterr().out
   lines = [line.split(" | ") for line in out.splitlines() if line.startswith("| small")]
-  by_width = {n: sum(len(cells) == n for cells in lines) for n in (6, 12, 13, 15, 21)}
+  kinds = {"cross-step": lambda c: len(c) == 6, "per-prompt": lambda c: len(c) == 12,
+           "references": _is_bounds, "detail": _is_detail, "summary": lambda c: len(c) == 21}
+  by_kind = {k: sum(map(is_kind, lines)) for k, is_kind in kinds.items()}
   scenarios = schedsim.scenarios(schedsim.argparse.Namespace(
       accepted=1.7, budget=16, plans="data_order,lpt_history,lpt_oracle"), 32, 16)
   full = [sc for sc in scenarios if sc.shards == 1 and sc.shrink and sc.accepted == 1]
-  # Widths: cross-step 6; detail 15; the per-prompt bound (one row per table) 12; summary 21;
-  # divided rollout's references 13 (one shard, KV kept: chunk at launch 1 and engine-like).
+  # Tables: cross-step (6 cells); detail (15, a policy per row); the per-prompt bound (12, one
+  # row per table); summary (21); divided rollout's references (one shard, KV kept: chunk at
+  # launch 1 and engine-like).
   divided = [sc for sc in full if sc.chunk and sc.keep_kv and not sc.kv_rows]
   assert len(divided) == 4
-  assert by_width == {6: 8, 13: len(divided), 12: 2, 15: len(full) * len(schedsim.POLICIES),
-                      21: len(scenarios)}
+  assert by_kind == {"cross-step": 8, "references": len(divided), "per-prompt": 2,
+                     "detail": len(full) * len(schedsim.POLICIES), "summary": len(scenarios)}
   # Divided rollout: only the online orders yield (a static order's "yield" resumes in place).
-  yields = {(r[3], r[4], r[5]): int(r[10]) for r in lines if len(r) == 15}
-  passes = {(r[3], r[4], r[5]): int(r[11]) for r in lines if len(r) == 15}
+  yields = {(r[3], r[4], r[5]): int(r[10]) for r in lines if _is_detail(r)}
+  passes = {(r[3], r[4], r[5]): int(r[11]) for r in lines if _is_detail(r)}
   assert all(0 < passes[k] <= n or passes[k] == n == 0 for k, n in yields.items())
   online = {"probe", "history_probe", "history_residual"}
   assert all(n == 0 for (chunk, _, pol), n in yields.items() if chunk == "-" or pol not in online)
@@ -76,7 +90,7 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   # The engine-like scenarios (outputs read a launch late; 4 steps per launch on the h100 table)
   assert {launch for _, launch, _ in yields} == {"1", "4 piped", "1 piped"}
   assert any(n > 0 for (chunk, launch, _), n in yields.items() if launch == "4 piped")
-  assert len(lines) == sum(by_width.values())
+  assert len(lines) == sum(by_kind.values())
   # 32 requests: slots scale to 16 (h100) / 8 (cpu), chunk min(64, 64 / 4) = 16.
   assert {(r[1], r[2]) for r in lines if len(r) == 21} >= {("h100", "1x16"), ("cpu", "1x8")}
   assert "targets, small.jsonl" in out and "16 kv 2x" in out
@@ -134,8 +148,8 @@ def test_residual_quantile_reaches_history_residual_and_its_references(tmp_path,
     rows = _small_run(tmp_path, capsys, 5, "--residual_quantile", q)
     # (table, chunk, launch) -> makespan / oracle, and its yields
     detail = {(r[1], r[3], r[4]): (r[12], r[10]) for r in rows
-              if len(r) == 15 and r[5] == "history_residual" and r[3] != "-"}
-    bounds = {(r[1], r[3], r[4]): r[5] for r in rows if len(r) == 13}
+              if _is_detail(r) and r[5] == "history_residual" and r[3] != "-"}
+    bounds = {(r[1], r[3], r[4]): r[5] for r in rows if _is_bounds(r)}
     assert bounds and all(detail[k][0] == v for k, v in bounds.items())
     got[q] = detail
   assert got["mean"] != got["0.75"]
@@ -147,7 +161,7 @@ def test_told_cost_scales_the_margin_history_residual_yields_to(tmp_path, capsys
   yields = {}
   for told in ("1", "10000"):
     rows = _small_run(tmp_path, capsys, 3, "--told_cost", told)
-    yields[told] = sum(int(r[10]) for r in rows if len(r) == 15 and r[5] == "history_residual")
+    yields[told] = sum(int(r[10]) for r in rows if _is_detail(r) and r[5] == "history_residual")
   assert yields["10000"] < yields["1"]
 
 
@@ -175,6 +189,6 @@ def test_table_flag_replaces_that_table_only(tmp_path, monkeypatch, capsys):
   flat = _small_run(tmp_path, capsys, 5, f"--table=cpu={path}")
   assert {name for name, _ in seen} == {"h100", str(path)}
   assert all(ms == 10.0 for name, ms in seen if name == str(path))
-  detail = lambda rows, table: [r for r in rows if len(r) == 15 and r[1] == table]
+  detail = lambda rows, table: [r for r in rows if _is_detail(r) and r[1] == table]
   assert detail(flat, "h100") == detail(base, "h100") and detail(base, "h100")
   assert detail(flat, "cpu") != detail(base, "cpu")

@@ -90,3 +90,36 @@ def test_rescaled_history_is_the_step_when_every_prompt_drifted_alike():
       [schedsim_bounds.StepCase("t", 1, 2, jobs, predictor=rescaled, table=table)], FLAT, cfg,
       yield_cost=0.0)
   assert bounds["rescaled_history"] == direct["history_residual"]
+
+
+def test_pooled_history_gives_every_prompt_the_step_prompts_lengths():
+  # Prompts k0..k5 of the step with their own histories, and one outside the step: the pooled
+  # predictor gives each step prompt all six histories together, and nothing of the outsider.
+  rng = np.random.default_rng(11)
+  jobs = _jobs(rng)
+  table = schedsim_bounds.LengthTable(epochs_kept=1)
+  for p in range(6):
+    table.add(f"k{p}", 1, rng.integers(1, 60, 4))
+  table.add("other", 1, [500, 500])
+  case = schedsim_bounds.StepCase("t", 1, 2, jobs,
+                                  predictor=schedsim_bounds.LengthPredictor(table), table=table)
+  pooled = schedsim_bounds.pooled_predictor(case)
+  every = np.concatenate([dict(table.epoch_lengths(f"k{p}"))[1] for p in range(6)])
+  assert set(pooled.source.keys()) == {f"k{p}" for p in range(6)}
+  for p in range(6):
+    [(_, lengths)] = pooled.source.epoch_lengths(f"k{p}")
+    assert sorted(lengths.tolist()) == sorted(every.tolist())
+  for n in (0, 10, 40):  # the same expected remaining work for every prompt at every progress
+    left = {pooled.remaining_tokens(f"k{p}", n, 512) for p in range(6)}
+    assert len(left) == 1
+    beyond = every[every > n]
+    assert left.pop() == pytest.approx(beyond.mean() - n)
+  # where every prompt's history already is the same, pooling changes nothing
+  same = schedsim_bounds.LengthTable(epochs_kept=1)
+  for p in range(6):
+    same.add(f"k{p}", 1, [5, 20, 40, 7])
+  case = schedsim_bounds.StepCase("t", 1, 2, jobs,
+                                  predictor=schedsim_bounds.LengthPredictor(same), table=same)
+  cfg = SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(4))
+  bounds = schedsim_bounds.divided_bounds([case], FLAT, cfg, yield_cost=0.0)
+  assert bounds["pooled_history"] == bounds["history_residual"]
