@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import sys
 
@@ -41,19 +40,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common, schedsim_divided  # noqa: E402
 from bench.schedsim_bounds import ClairvoyantResidual  # noqa: E402
 from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
-from rhyme_jax.scheduling.simulate import SimResult, simulate  # noqa: E402
+from rhyme_jax.scheduling.simulate import SimResult, simulate, tail_start  # noqa: E402
 
 ORDERS = ("fifo", "history_residual", "oracle", "clairvoyant")
-SHARE = 0.1  # the tail's share of requests, as scheduling.simulate.tail_time
 
 
-def tail_members(finish_ms: np.ndarray, share: float = SHARE) -> np.ndarray:
-  """Indices of the requests that finished after the first (1 - share) had: the tail (ties at
-  that time excluded, as `tail_time` measures from it)."""
-  finish = np.asarray(finish_ms, np.float64)
-  k = max(int(math.ceil((1 - share) * len(finish))), 1)
-  cut = np.sort(finish)[k - 1]
-  return np.flatnonzero(finish > cut)
+def tail_members(finish_ms: np.ndarray) -> np.ndarray:
+  """Indices of the requests that finished after the first 90% had: the tail (ties at that
+  time excluded, as `tail_time` measures from it: `simulate.tail_start`)."""
+  return np.flatnonzero(np.asarray(finish_ms) > tail_start(finish_ms))
 
 
 def anatomy(res: SimResult, lengths: np.ndarray, caps: np.ndarray) -> tuple[int, int, int]:

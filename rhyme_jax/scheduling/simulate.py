@@ -140,11 +140,15 @@ class SimResult:
     return tail_time(self.step_finish_ms) if len(self.step_finish_ms) else 0.0
 
 
-def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
-  """Makespan minus the time by which all but the last `share` of requests had finished."""
+def tail_start(finish_ms: np.ndarray, share: float = 0.1) -> float:
+  """The time by which all but the last `share` of requests had finished."""
   done = np.sort(np.asarray(finish_ms, np.float64))
-  k = max(int(math.ceil((1 - share) * len(done))), 1)
-  return float(done[-1] - done[k - 1])
+  return float(done[max(int(math.ceil((1 - share) * len(done))), 1) - 1])
+
+
+def tail_time(finish_ms: np.ndarray, share: float = 0.1) -> float:
+  """Makespan minus `tail_start`: the time the last `share` of requests took to finish."""
+  return float(np.max(finish_ms)) - tail_start(finish_ms, share)
 
 
 def simulate(jobs: Sequence[tuple[RequestMeta, int]],

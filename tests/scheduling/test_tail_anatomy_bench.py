@@ -6,6 +6,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -56,3 +57,13 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
     # 32 requests: at most 3 (10%) end after the first 29, in at most as many launches
     members = float(r[col["tail requests / step"]])
     assert 0 <= float(r[col["tail launches / step"]]) <= members <= 3
+
+
+
+@pytest.mark.parametrize("flag,bad", [("--slots", "64"), ("--table", "tpu=x.json")])
+def test_bad_flags_are_one_clear_error(flag, bad, capsys):
+  # the flags shared with bench/schedsim.py (bench/schedsim_divided.add_args) keep its errors
+  with pytest.raises(SystemExit):
+    tail_anatomy.main(["--trace", "synthetic", f"{flag}={bad}", "--no_append"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert flag in err and repr(bad) in err
