@@ -37,8 +37,7 @@ def parse_args(argv=None):
   p.add_argument("--prompts_per_step", type=int, default=4)
   p.add_argument("--epochs", type=int, default=6)
   p.add_argument("--extra", action="append", default=[], help="more trainer flags")
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   if args.epochs < 2 or args.train_size % args.prompts_per_step:
     p.error("--epochs must be >= 2 and --train_size a multiple of --prompts_per_step")

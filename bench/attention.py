@@ -120,7 +120,7 @@ def main(argv=None):
                       help="skip configurations whose K+V cache exceeds this")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny sizes, kernels in interpret mode (CPU check that it runs)")
-  parser.add_argument("--no_append", action="store_true")
+  common.add_results_args(parser, note=False)
   args = parser.parse_args(argv)
 
   if args.smoke:

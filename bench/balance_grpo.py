@@ -67,8 +67,7 @@ def main(argv=None) -> None:
   ap.add_argument("--flag", action="append", default=[],
                   help="more trainer flags for both runs (repeatable), e.g. --flag=--train_size=8")
   ap.add_argument("--timeout", type=float, default=3600)
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap)
   args = ap.parse_args(argv)
   flags = [f"--flagfile={args.flagfile}", f"--num_steps={args.num_steps}", "--eval_every=0",
            f"--checkpoint_every={args.num_steps}", *args.flag]

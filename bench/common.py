@@ -67,6 +67,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
   return "\n".join(lines)
 
 
+def add_results_args(parser, note: bool = True) -> None:
+  """The flags every bench that appends to RESULTS.md reads: --no_append, and --note (a line
+  of its own for the section, repeatable) where the bench passes notes on."""
+  parser.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
+  if note:
+    parser.add_argument("--note", action="append", default=[],
+                        help="a line for the RESULTS.md section (repeatable)")
+
+
 def append_results(title: str, table: str, notes: Sequence[str] = (), command: str | None = None,
                    path: str = RESULTS_PATH) -> str:
   """Appends one section to RESULTS.md (never rewrites earlier ones); returns the text."""

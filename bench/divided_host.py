@@ -54,8 +54,7 @@ def parse_args(argv=None):
   p.add_argument("--multi_step", default="1",
                  help="comma list of plain decode steps per launch (EngineConfig.multi_step); "
                       "every policy runs at each, on an engine of its own (this tree only)")
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   for flag in ("rounds", "divide_every"):
     if getattr(args, flag) < 1:

@@ -70,7 +70,7 @@ def parse_args(argv=None):
                  help="skip configurations whose K+V cache exceeds this")
   p.add_argument("--smoke", action="store_true",
                  help="CPU check: tiny model, B=2, L=40, kernel interpreted")
-  p.add_argument("--no_append", action="store_true")
+  common.add_results_args(p, note=False)
   args = p.parse_args(argv)
   if args.smoke:
     args.model, args.rows, args.lengths, args.nodes, args.reps = "tiny", "2", "40", 3, 2

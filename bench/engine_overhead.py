@@ -59,8 +59,7 @@ def parse_args(argv=None):
                  help="also time budget 0 with this many plain steps per launch (> 1)")
   p.add_argument("--profile", action="store_true",
                  help="print the top host functions of the largest engine run (cProfile)")
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[], help="a line for RESULTS.md (repeatable)")
+  common.add_results_args(p)
   args = p.parse_args(argv)
   args.buckets = tuple(int(x) for x in args.buckets.split(","))
   args.budgets = tuple(int(x) for x in args.budgets.split(","))

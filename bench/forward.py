@@ -64,8 +64,7 @@ def parse_args(argv=None):
   p.add_argument("--mem_bw_gbs", type=float, default=None,
                  help="device memory bandwidth for the roofline (GB/s); default: datasheet "
                       "figure for known accelerators, else measured with a large copy")
-  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
-  p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+  common.add_results_args(p)
   args = p.parse_args(argv)
   try:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -111,8 +111,7 @@ def parse_args(argv=None):
                  help="sample every epoch with the same random draws (common random numbers: "
                       "each epoch is still an exact sample of its policy, but epochs are "
                       "correlated); default: a fresh seed per epoch")
-  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
-  p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+  common.add_results_args(p)
   args = p.parse_args(argv)
   try:
     args.temperatures = tuple(float(t) for t in args.temperatures.split(","))

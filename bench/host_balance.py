@@ -87,8 +87,7 @@ def main(argv=None) -> None:
   ap.add_argument("--hosts", default="2,4", help="host counts (each must divide a round)")
   ap.add_argument("--tables", default="h100,cpu", help="step-time tables (built-in or JSON)")
   ap.add_argument("--epochs_kept", type=int, default=1, help="the trainer's --history_epochs")
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap)
   args = ap.parse_args(argv)
   runs = args.run or ["bench/data/grpo_quickstart", "bench/data/grpo_gsm8k_h200"]
   rows = []

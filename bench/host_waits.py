@@ -55,7 +55,7 @@ def count(code: str) -> list[dict]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   common.add_checkout_args(p)
-  p.add_argument("--no_append", action="store_true")
+  common.add_results_args(p, note=False)
   args = p.parse_args(argv)
   outs = common.per_checkout(__file__, args, count, HERE)
   if outs is None:

@@ -110,8 +110,7 @@ def measure(code: str) -> list[dict]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   common.add_checkout_args(p)
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   outs = common.per_checkout(__file__, args, measure, HERE)
   if outs is None:

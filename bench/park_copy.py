@@ -44,8 +44,7 @@ def main(argv=None):
                  help="positions per row (the engine's cache_len; 544 for 256 new tokens after "
                       "GSM8K prompts)")
   p.add_argument("--reps", type=int, default=10)
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   try:
     pools = [int(x) for x in args.pool_rows.split(",")]

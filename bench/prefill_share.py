@@ -48,8 +48,7 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--prompt_offset", type=int, default=0)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no_append", action="store_true")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   check_counts(p, args, ("num_prompts", "group_size", "max_new_tokens", "prefill_chunk",
                          "repeats"))

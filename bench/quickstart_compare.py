@@ -118,9 +118,9 @@ def report_one(args):
                                  "length", "accepted len", "rollout s", "train s", "step s"], rows)
   mean = lambda k, ss: sum(run[s][k] for s in ss) / len(ss)
   notes = [f"run: `{args.spec_run}`, {len(steps)} steps",
-           f"reward mean, steps 1-10 / 11-20 / 21-30: " + " / ".join(
+           "reward mean, steps 1-10 / 11-20 / 21-30: " + " / ".join(
                f"{mean('reward/mean', steps[i:i + 10]):.3f}" for i in range(0, len(steps), 10)),
-           f"sampled accuracy mean, same windows: " + " / ".join(
+           "sampled accuracy mean, same windows: " + " / ".join(
                f"{mean('accuracy', steps[i:i + 10]):.3f}" for i in range(0, len(steps), 10))]
   print("\n".join(notes))
   print(table)

@@ -86,8 +86,7 @@ def parse_args(argv=None):
                  help="timed replays per row after a warm-up one; the median us/query is reported")
   p.add_argument("--epochs_kept", type=int, default=1,
                  help="past epochs the store keeps per prompt (the trainer's --history_epochs)")
-  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
-  p.add_argument("--note", action="append", default=[])
+  common.add_results_args(p)
   args = p.parse_args(argv)
   args.settings = [s for s in args.settings.split(",") if s]
   args.modes = [m for m in args.modes.split(",") if m]

@@ -299,8 +299,7 @@ def main(argv=None) -> None:
   ap.add_argument("--split_groups", action="store_true",
                   help="a one-epoch trace: first half of each group = history, second = step")
   ap.add_argument("--write_trace", default=None, help="write the first trace as JSONL and exit")
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap)
   args = ap.parse_args(argv)
   args.trace = args.trace or ["synthetic"]
   args.tables = {name: StepTimeTable.builtin(name) for name in ("h100", "cpu")}

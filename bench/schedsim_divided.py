@@ -32,8 +32,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                   help="H,C: rows per shard on the h100 / cpu tables (default: scaled)")
   ap.add_argument("--table", type=table_arg, action="append", default=[],
                   help="NAME=PATH: a step-time table in place of a built-in one (repeatable)")
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap)
 
 
 def complete(args: argparse.Namespace) -> argparse.Namespace:

@@ -93,6 +93,15 @@ def load_trace(path: str) -> Trace:
                [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
 
 
+def trace_name(pattern: str) -> str:
+  """A pattern's file name, under its folder's name where the file name is a wildcard alone
+  (`gsm8k_T0.6_epochs0-3/*.npz`, which would otherwise read `*.npz`)."""
+  base = os.path.basename(pattern)
+  if base.lstrip("*?").startswith(".") or not base.strip("*?"):
+    return os.path.join(os.path.basename(os.path.dirname(os.path.normpath(pattern))), base)
+  return base
+
+
 def load_npz_trace(pattern: str) -> Trace:
   """Recorded rollouts (`.npz`, see the module docstring) matching `pattern`, as one trace."""
   paths = sorted(glob.glob(pattern))
@@ -113,7 +122,7 @@ def load_npz_trace(pattern: str) -> Trace:
     except (KeyError, ValueError, OSError) as e:
       raise ValueError(f"{path}: not a recorded rollout ({e!r})") from e
   keys = list(per)
-  name = os.path.basename(pattern) + f" ({len(paths)} files)"
+  name = trace_name(pattern) + f" ({len(paths)} files)"
   return Trace(name, keys, [prompt_len[k] for k in keys],
                [{e: np.asarray(v, np.int64) for e, v in per[k].items()} for k in keys])
 

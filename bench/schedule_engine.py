@@ -94,8 +94,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, num_prompts: int,
   p.add_argument("--multi_step", type=int, default=1,
                  help="plain decode steps per engine launch (EngineConfig.multi_step)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no_append", action="store_true", help="do not append to bench/RESULTS.md")
-  p.add_argument("--note", action="append", default=[], help="extra note for RESULTS.md")
+  common.add_results_args(p)
 
 
 def check_counts(p: argparse.ArgumentParser, args, positive: Sequence[str],
@@ -411,7 +410,7 @@ def main(argv=None):
              "opening (it shrinks with the work left)"
              for name, (c, m) in margins.items()],
            *per_repeat,
-           *([f"residual policies rank by the "
+           *(["residual policies rank by the "
               + ("mean" if args.residual_quantile is None
                  else f"{args.residual_quantile:g} quantile")
               + " of remaining work (--residual_quantile; ResidualPolicy's default is the "

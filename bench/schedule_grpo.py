@@ -118,8 +118,7 @@ def main(argv=None) -> None:
   ap.add_argument("--record", default="",
                   help="copy the first variant's recorded rollouts (--record_rollouts) here: a "
                        "GRPO length trace for bench/schedsim.py --trace grpo:DIR")
-  ap.add_argument("--note", action="append", default=[])
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap)
   args = ap.parse_args(argv)
   names = args.variants.split(",")
   bad = [n for n in names if n not in VARIANTS]

@@ -55,7 +55,7 @@ def main(argv=None):
   ap.add_argument("--nodes", default="1,2,3")
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--dtype", default="")
-  ap.add_argument("--no_append", action="store_true")
+  common.add_results_args(ap, note=False)
   args = ap.parse_args(argv)
   dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   cfg = SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype)

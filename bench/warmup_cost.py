@@ -69,8 +69,7 @@ def main(argv=None):
                  help="comma-separated --compile_threads values, each variant run with each "
                       "(default 0: the trainer's default)")
   p.add_argument("--worker", help=argparse.SUPPRESS)  # one variant's flags, JSON
-  p.add_argument("--note", action="append", default=[])
-  p.add_argument("--no_append", action="store_true")
+  common.add_results_args(p)
   args = p.parse_args(argv)
   if args.worker:
     print("RESULT " + json.dumps(measure(json.loads(args.worker))), flush=True)

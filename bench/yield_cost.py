@@ -40,7 +40,6 @@ def measure(code: str) -> dict:
   from rhyme_jax.models.config import ModelConfig
   from rhyme_jax.models.transformer import init_model
   from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine
-  from rhyme_jax.rollout.live import LiveRequest
   model = init_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8), seed=1)
   cfg = EngineConfig(max_len=96, buckets=(ADMITS,), max_draft=0, speculate="never",
@@ -205,8 +204,7 @@ def residual_miss() -> float:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   common.add_checkout_args(p)
-  p.add_argument("--note", action="append", default=[])
-  p.add_argument("--no_append", action="store_true")
+  common.add_results_args(p)
   args = p.parse_args(argv)
   rows = common.per_checkout(__file__, args, measure, HERE)
   if rows is None:

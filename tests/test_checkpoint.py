@@ -1,8 +1,6 @@
 """Tests for rhyme_jax.checkpoint: round trips, keep-last-N, atomicity, corrupt-checkpoint fallback."""
 
-import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap

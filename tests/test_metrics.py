@@ -2,7 +2,6 @@
 
 import io
 import os
-import json
 import math
 
 import jax.numpy as jnp

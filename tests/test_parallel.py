@@ -157,7 +157,6 @@ def test_params_and_activations_are_actually_sharded(report):
 def test_bad_mesh_shape_names_the_flags():
   import jax
   from rhyme_jax import parallel as par
-  from rhyme_jax.models import sharding as shd
   devices = [jax.devices()[0]] * 1
   with pytest.raises(ValueError, match=r"data=2, fsdp=2, tensor=2.*= 8 but there are 1"):
     par.make_mesh(data=2, fsdp=2, tensor=2, devices=devices)
@@ -171,7 +170,6 @@ def test_bad_mesh_shape_names_the_flags():
 
 def test_unmatched_param_names_its_path():
   from flax import nnx
-  from rhyme_jax import parallel as par
   from rhyme_jax.models import sharding as shd
   from rhyme_jax.models.transformer import Transformer
   cfg = _configs()["llama"]
@@ -187,7 +185,6 @@ def test_specs_on_abstract_state_fall_back_when_not_divisible():
   """SmolLM2-135M shapes (9 heads, 3 KV heads) on an abstract 2x2x2 mesh, no devices needed."""
   from flax import nnx
   from jax.sharding import AbstractMesh, PartitionSpec as P
-  from rhyme_jax import parallel as par
   from rhyme_jax.models import sharding as shd
   from rhyme_jax.models.config import ModelConfig
   from rhyme_jax.models.transformer import Transformer
@@ -217,7 +214,6 @@ def test_specs_on_abstract_state_fall_back_when_not_divisible():
 def test_specs_on_flat_numpy_dict():
   """A loader's flat {path: ndarray} dict, with slash or tuple keys, gets the same rules."""
   from jax.sharding import AbstractMesh, PartitionSpec as P
-  from rhyme_jax import parallel as par
   from rhyme_jax.models import sharding as shd
   mesh = AbstractMesh((1, 2, 2), ("data", "fsdp", "tensor"))
   slash = shd.param_specs({"layers/0/mlp/gate_proj/kernel": np.zeros((8, 6)),
@@ -232,7 +228,6 @@ def test_specs_on_flat_numpy_dict():
 
 def test_initialize_distributed_is_a_noop_on_one_process(monkeypatch):
   from rhyme_jax import parallel as par
-  from rhyme_jax.models import sharding as shd
   for key in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES",
               "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(key, raising=False)

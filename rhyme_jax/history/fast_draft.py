@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is absent
   _prange = range
   HAVE_NUMBA = False
 
-from rhyme_jax.history.arena import HEAD_POS, HEAD_TOK, HEAD_UID, START, Arena, Postings
+from rhyme_jax.history.arena import HEAD_POS, HEAD_TOK, HEAD_UID, Arena, Postings
 
 
 @_jit

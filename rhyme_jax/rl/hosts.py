@@ -118,10 +118,14 @@ class StepRounds:
   """A step's rollout rounds on this host (`local_rounds`, `balanced_rounds`)."""
 
   mine: list[list[Sample]]  # the groups this host trains on
-  # local_rounds: this host's groups, to send (`share_step`); balanced_rounds: every host's,
-  # round by round in data order, already exchanged
-  records: list[GroupRecord]
+  to_send: list[GroupRecord]  # local_rounds: this host's sampled groups, for `share_step`
+  # balanced_rounds: every host's groups, exchanged round by round, in data order (else None)
+  held: list[GroupRecord] | None
   metrics: dict[str, float]  # schedule/host_* figures of balanced rounds (none otherwise)
+
+  def share(self, stats: dict[str, Any]) -> "SharedStep":
+    """The step as every host sees it (`share_step` with what these rounds hold or send)."""
+    return share_step(self.to_send, stats, len(self.mine), held=self.held)
 
 
 def local_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
@@ -141,7 +145,7 @@ def local_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, s
     kept += [g for g, rec in zip(groups, new) if keeps(rec)]
     if len(kept) >= per_host:
       break
-  return StepRounds(kept[:per_host], records, {})
+  return StepRounds(kept[:per_host], records, None, {})
 
 
 def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config, step: int,
@@ -179,7 +183,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
   mine = [g.samples(p) for p, g in kept[process_index * per_host:(process_index + 1) * per_host]]
   metrics = {k: float(sum(m[k] for m in mets) if k.endswith("moved")
                       else np.mean([m[k] for m in mets])) for k in mets[0]}
-  return StepRounds(mine, records, metrics)
+  return StepRounds(mine, [], records, metrics)
 
 
 @dataclasses.dataclass

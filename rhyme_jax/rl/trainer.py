@@ -269,10 +269,9 @@ class Trainer:
     if self.balance:  # global rounds over the whole batch, each host its plan's share
       rounds = hosts.balanced_rounds(next_round, self.rollouts, c, self.step, self.process_index,
                                      self.process_count, stats)
-      shared = hosts.share_step([], stats, len(rounds.mine), held=rounds.records)
     else:  # this host's rounds over its own slice: hosts may need different numbers of them
       rounds = hosts.local_rounds(next_round, self.rollouts, c, self.step, stats)
-      shared = hosts.share_step(rounds.records, stats, len(rounds.mine))
+    shared = rounds.share(stats)
     self.rollouts.record(shared.records)
     m = rollout_metrics(shared.records, shared.kept, shared.stats,
                         c.rl.prompts_per_step * self.process_count)

@@ -3,7 +3,6 @@ packed rows of different lengths, ancestor bits, GQA, padding, cache buckets, an
 past each row's live length that must not leak."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -136,7 +136,7 @@ def _run_hosts(cfg, informative, monkeypatch, hosts_n=2, per_round=4):
 
 def test_balanced_rounds_without_dynamic_sampling_train_each_host_on_its_slice(monkeypatch):
   rounds, (h0, h1) = _run_hosts(_cfg(False), lambda r, q: True, monkeypatch)
-  assert [g.uid for g in h0.records] == [g.uid for g in h1.records] == ["u0", "u1", "u2", "u3"]
+  assert [g.uid for g in h0.held] == [g.uid for g in h1.held] == ["u0", "u1", "u2", "u3"]
   for host, res in enumerate((h0, h1)):
     assert [[s.prompt.example.uid for s in g][0] for g in res.mine] == \
         [f"u{2 * host}", f"u{2 * host + 1}"]
@@ -152,7 +152,7 @@ def test_balanced_dynamic_sampling_refills_globally_until_the_hosts_kept_enough(
   keep = {(0, 1), (0, 3), (1, 0), (1, 2), (1, 3), (2, 0), (2, 1)}  # (round, position)
   rounds, (h0, h1) = _run_hosts(_cfg(True), lambda r, q: (r, q) in keep, monkeypatch)
   # round 0 kept 2 groups, round 1 three more: 4 = 2 hosts x 2 reached, round 2 never read
-  assert len(h0.records) == len(h1.records) == 8
+  assert len(h0.held) == len(h1.held) == 8 and h0.to_send == h1.to_send == []
   kept = [(0, 1), (0, 3), (1, 0), (1, 2)]
   for host, res in enumerate((h0, h1)):
     for (r, q), group in zip(kept[2 * host:2 * host + 2], res.mine):
@@ -164,7 +164,7 @@ def test_balanced_dynamic_sampling_refills_globally_until_the_hosts_kept_enough(
   # too few informative groups after every round: the hosts train on what there is
   rounds, (h0, h1) = _run_hosts(_cfg(True, rounds=2), lambda r, q: (r, q) == (1, 2),
                                 monkeypatch)
-  assert len(h0.records) == 8 and len(h0.mine) == 1 and h1.mine == []
+  assert len(h0.held) == 8 and len(h0.mine) == 1 and h1.mine == []
 
 
 def test_local_rounds_refill_a_hosts_own_slice_and_record_every_group():
@@ -176,21 +176,23 @@ def test_local_rounds_refill_a_hosts_own_slice_and_record_every_group():
   read = iter(rounds)
   got = hosts.local_rounds(lambda: next(read), _Rollouts(predictor, lambda r, q: False),
                            _cfg(False), 0, {})
-  assert [g[0].prompt for g in got.mine] == rounds[0] and len(got.records) == 2
-  assert got.metrics == {}
+  assert [g[0].prompt for g in got.mine] == rounds[0] and len(got.to_send) == 2
+  assert got.metrics == {} and got.held is None
   keep = {(0, 1), (1, 0), (1, 1), (2, 0)}
   sampler = _Rollouts(predictor, lambda r, q: (r, q) in keep)
   read = iter(rounds)
   got = hosts.local_rounds(lambda: next(read), sampler, _cfg(True), 0, {})
   assert [c[0] for c in sampler.calls] == [0, 1]  # round 2 never read
   assert [g[0].prompt for g in got.mine] == [rounds[0][1], rounds[1][0]]
-  assert [r.uid for r in got.records] == ["u0", "u1", "u0", "u1"]
-  assert [hosts.informative(r) for r in got.records] == [False, True, True, True]
+  assert [r.uid for r in got.to_send] == ["u0", "u1", "u0", "u1"]
+  assert [hosts.informative(r) for r in got.to_send] == [False, True, True, True]
   # too few informative groups after every round: the host trains on what there is
   read = iter(rounds)
   got = hosts.local_rounds(lambda: next(read), _Rollouts(predictor, lambda r, q: r == 2 and q),
                            _cfg(True), 0, {})
-  assert [g[0].prompt for g in got.mine] == [rounds[2][1]] and len(got.records) == 6
+  assert [g[0].prompt for g in got.mine] == [rounds[2][1]] and len(got.to_send) == 6
+  shared = got.share({"tokens": 3})  # one process: what the host sampled, as it is
+  assert shared.records == got.to_send and shared.kept == 1 and shared.stats == {"tokens": 3}
 
 
 def test_share_step_keeps_held_groups_and_refuses_both():

@@ -86,7 +86,7 @@ def test_a_shape_not_observed_lately_follows_the_machine_speed():
   """The machine slows down 2x (another job starts) while only plain steps run: the
   speculative shape's warm-up time, never observed since, slows with them, so the choice
   between the two stays what it was."""
-  m, rids = model(), [0, 1, 2, 3]
+  m = model()
   for _ in range(30):
     m.observe_time(PLAIN, 2.0)
   assert m.time(PLAIN) == pytest.approx(2.0, rel=0.01)

@@ -13,7 +13,7 @@ import pytest
 from rhyme_jax.models import attention
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.transformer import init_model
-from rhyme_jax.rollout.drafts import NoDrafts, OracleDrafter, RandomDrafter
+from rhyme_jax.rollout.drafts import OracleDrafter, RandomDrafter
 from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
 

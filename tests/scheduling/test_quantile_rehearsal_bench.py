@@ -5,7 +5,6 @@ import os
 import sys
 import types
 
-import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -42,6 +42,9 @@ def test_npz_and_jsonl_traces_round_trip(tmp_path):
   halves = schedsim.split_groups(one)
   assert halves.epochs == [0, 1]
   np.testing.assert_array_equal(halves.lengths[2][1], lengths[0][2][2:])
+  assert trace.name == "gsm8k_T0.6_e*.npz (2 files)"
+  assert schedsim.load_npz_trace(str(tmp_path / "*.npz")).name == \
+      f"{tmp_path.name}/*.npz (2 files)"  # a wildcard alone is named by its folder
   with pytest.raises(ValueError, match="no files match"):
     schedsim.load_npz_trace(str(tmp_path / "nothing*.npz"))
   (tmp_path / "bad.jsonl").write_text('{"prompt_key": "a"}\n')
