@@ -64,6 +64,7 @@ def main(argv=None):
   cfg = EngineConfig(max_len=longest + args.max_new_tokens, buckets=buckets_for(args.slots),
                      max_draft=0, speculate="never", eos_ids=tuple(tok.stop_ids),
                      seed=args.seed, multi_step=args.multi_step,
+                     drain_steps=args.drain_steps,
                      compile_threads=args.compile_threads)
   engine = RolloutEngine(model, cfg)
   t0 = time.perf_counter()

@@ -17,6 +17,11 @@
 #    shape of the simulator's H200-trace scenario: on 1 x H100 2026-11-28 (2 repeats) the tail
 #    cut was 72-74% on the wall clock and 85% on the modelled one, the one GPU shape short of
 #    the 75% target; REPEATS repeats give its median.
+# 1c. step 1b with each of DRAIN (default "cost single"; "" skips it) as --drain_steps: one-step
+#    launches once nothing waits, so ends are read, and rows move to smaller buckets, up to
+#    two launches sooner. On the CPU at this shape (2026-11-28, 2 repeats each) "single" lifted
+#    the wall-clock tail cut from 24% / -5% to 56% / 55% at the same makespan; on a GPU the
+#    host's extra passes may show, which "cost" weighs (~3-4 min each).
 # 2. bench/bucket_moves.py, the same 16 x 8 requests (prompts 0-15) through 32 slots at
 #    MULTI_STEP: the tail's bucket moves always at once against where the cost model says they
 #    pay (EngineConfig.bucket_moves), wall clock and blocking reads (~3 min).
@@ -25,7 +30,7 @@
 # 4. step 1 on the other prompt sets of OFFSETS, then at 1 step per launch on prompts 0-15
 #    (~3-4 min each; these were measured on 2026-11-27/28 and are re-checks).
 # A lease's call runs at most 10 minutes, about steps 1 and 1b: SKIP_ENGINE=1 runs steps 2-3
-# (and the host benches) without the others, in a call of its own.
+# (and the host benches) without the others, in a call of its own; DRAIN="" leaves out 1c.
 # With HOST_BENCHES=1 (recorded on 1 x H100 2026-11-27; ~5 min more), then:
 # 5. step 1's first run again, one more rollout per policy under cProfile ($OUT/profiles.tgz,
 #    with that run's log):
@@ -79,6 +84,9 @@ if [ "${SKIP_ENGINE:-0}" != 1 ]; then
   if [ -n "${SLOTS_WIDE-64}" ]; then
     engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}" \
       --write_step_times "$OUT/step_times_s${SLOTS_WIDE-64}.json"
+    for drain in ${DRAIN-cost single}; do
+      engine "${offsets[0]}" "$K" "${SLOTS_WIDE-64}" --drain_steps "$drain"
+    done
   fi
 fi
 python bench/bucket_moves.py --model "$MODEL" --num_prompts 16 --group_size 8 --slots 32 \

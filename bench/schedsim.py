@@ -398,7 +398,8 @@ def main(argv=None) -> None:
         "left) - chunk more expected remaining tokens (ResidualPolicy.yield_margin; tokens left = "
         "requests x mean expected length less the tokens generated so far)",
         "launch = plain steps per launch ('piped': outputs read one launch late, as the engine "
-        "reads them; scheduling/simulate.py); the other scenarios read every step at once",
+        "reads them; scheduling/simulate.py; 'drain 1': one-step launches once nothing waits, "
+        "EngineConfig.drain_steps 'single'); the other scenarios read every step at once",
     ] + notes + args.note
     common.append_results("Rollout scheduling simulator (bench/schedsim.py)", table, notes)
 

@@ -48,6 +48,7 @@ class Scenario:
   kv_rows: float = 0  # history_residual's cap on started requests, x slots (0: none)
   multi_step: int = 1  # plain steps per launch (the engine's EngineConfig.multi_step)
   pipeline: bool = False  # outputs read one launch late, as the engine reads them
+  drain: bool = False  # one-step launches once nothing waits (EngineConfig.drain_single_step)
 
   def label(self) -> str:
     spec = f"a={self.accepted:g}@T{self.budget}" if self.accepted > 1 else "off"
@@ -72,7 +73,8 @@ class Scenario:
                      prefill_ms_per_token=PREFILL_MS_PER_TOKEN[self.table],
                      divided=DividedRollout(self.chunk, self.keep_kv, yield_ms[self.table],
                                             yield_pass_ms[self.table]),
-                     multi_step=self.multi_step, pipeline=self.pipeline)
+                     multi_step=self.multi_step, pipeline=self.pipeline,
+                     drain_single_step=self.drain)
 
   def told_yield_cost(self, table: StepTimeTable, yield_ms: dict, yield_pass_ms: dict,
                       told_cost: float = 1.0) -> float:
@@ -83,7 +85,8 @@ class Scenario:
             * told_cost)
 
   def launch_label(self) -> str:
-    return f"{self.multi_step}" + (" piped" if self.pipeline else "")
+    return (f"{self.multi_step}" + (" piped" if self.pipeline else "")
+            + (", drain 1" if self.drain else ""))
 
   def chunk_label(self) -> str:
     if not self.chunk:
@@ -128,6 +131,7 @@ def scenarios(args, num_requests: int = 128, chunk: int = 64) -> list[Scenario]:
   # 4 plain steps per launch (bench/gpu_schedule.sh), on the CPU one.
   out += [Scenario("h100", h, multi_step=4, pipeline=True),
           Scenario("h100", h, chunk=chunk, multi_step=4, pipeline=True),
+          Scenario("h100", h, chunk=chunk, multi_step=4, pipeline=True, drain=True),
           Scenario("cpu", c, pipeline=True),
           Scenario("cpu", c, chunk=chunk, pipeline=True)]
   return out

@@ -67,6 +67,7 @@ from rhyme_jax.history.store import prompt_key  # noqa: E402
 from rhyme_jax.models.loading import load_model  # noqa: E402
 from rhyme_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from rhyme_jax.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
+from rhyme_jax.rollout.interface import DRAIN_STEPS  # noqa: E402
 from rhyme_jax.rollout.sampling import SamplingParams  # noqa: E402
 from rhyme_jax.scheduling.admission import RESIDUAL_QUANTILE, make_policy  # noqa: E402
 from rhyme_jax.scheduling.engine_order import EngineOrder  # noqa: E402
@@ -93,6 +94,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, num_prompts: int,
                       "compile_threads; 0 = its default: threads on a CPU backend only)")
   p.add_argument("--multi_step", type=int, default=1,
                  help="plain decode steps per engine launch (EngineConfig.multi_step)")
+  p.add_argument("--drain_steps", default="multi", choices=DRAIN_STEPS,
+                 help="launches once no request waits (EngineConfig.drain_steps)")
   p.add_argument("--seed", type=int, default=0)
   common.add_results_args(p)
 
@@ -225,7 +228,8 @@ def main(argv=None):
   cfg = EngineConfig(max_len=longest + args.max_new_tokens, buckets=buckets_for(args.slots),
                      max_draft=0, speculate="never", eos_ids=tuple(tok.stop_ids),
                      seed=args.seed, divide_every=args.divide_every, park_rows=park,
-                     compile_threads=args.compile_threads, multi_step=args.multi_step)
+                     compile_threads=args.compile_threads, multi_step=args.multi_step,
+                     drain_steps=args.drain_steps)
   engine = RolloutEngine(model, cfg)
   t0 = time.perf_counter()
   engine.warmup()
@@ -362,7 +366,10 @@ def main(argv=None):
            f"{args.group_size} = {n} requests, {args.slots} slots (buckets {cfg.buckets}), "
            f"T={args.temperature}, max_new_tokens {args.max_new_tokens}, plain decoding "
            f"(no speculation, {args.multi_step} step(s) per launch where token caps allow: "
-           f"EngineConfig.multi_step), seed {args.seed}; epoch 0 (fifo) is the history, epoch 1 is "
+           f"EngineConfig.multi_step"
+           + (f"; drain_steps {args.drain_steps!r} once no request waits"
+              * (args.drain_steps != "multi"))
+           + f"), seed {args.seed}; epoch 0 (fifo) is the history, epoch 1 is "
            f"timed per policy with {args.repeats} run(s) each (fastest kept)",
            f"residual+divided: a request is offered to yield every {args.divide_every} tokens, "
            f"{park} park rows; the others run undivided",

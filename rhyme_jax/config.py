@@ -33,6 +33,7 @@ SPECULATE = ("auto", "always")  # of rollout.interface.SPECULATE ("never" is --s
 # (CPU tests). The one source: models.attention and the engine config import it.
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
 MAX_MULTI_STEP = 64  # most plain decode steps in one engine launch (--multi_step)
+DRAIN_STEPS = ("multi", "cost", "single")  # rollout.interface.DRAIN_STEPS
 SCHEDULES = ("fifo", "history", "alternate", "probe", "residual")  # scheduling.plan.SCHEDULES
 TASKS = ("arithmetic", "gsm8k")  # data.prompts templates
 DTYPES = ("float32", "bfloat16")
@@ -85,6 +86,7 @@ class RolloutOptions:
   park_rows: int  # divided rollout: device KV rows for requests that yielded (EngineConfig)
   compile_threads: int  # warm-up compiles the step shapes in this many threads (0: auto)
   multi_step: int  # plain decode steps per engine launch (EngineConfig.multi_step)
+  drain_steps: str  # launches once no request waits: multi | cost | single (EngineConfig)
   history_epochs: int  # past epochs kept per prompt (history.store.HistoryStore.epochs_kept)
   balance_hosts: bool  # hosts sample the step's groups by LPT over predicted work (rl.hosts)
 
@@ -235,6 +237,11 @@ _FLAGS = {
          "row, for accelerators where the host's per-step work nears the device's step time. "
          "A request ending inside a call computes the rest of it for nothing. Never changes "
          "what is sampled."),
+        ("drain_steps", "multi", "With --multi_step above 1, the launches once no request "
+         "waits: 'multi' (--multi_step steps), 'single' (one step: ends are read, and rows move "
+         "to smaller buckets, up to two launches sooner) or 'cost' (one step where the host's "
+         "pass takes less than the step, so it costs no device time). Never changes what is "
+         "sampled."),
         ("history_epochs", 1, "Past epochs of responses the history store keeps per prompt: "
          "HistoSpec drafts from all of them (newer weigh more) and a history --schedule "
          "predicts lengths from all of them (ranks averaged, newer weigh more). 1 = the "
@@ -412,6 +419,7 @@ def validate(c: Config) -> None:
   _at_least("park_rows", r.park_rows, 0)
   _at_least("compile_threads", r.compile_threads, 0)
   _at_least("history_epochs", r.history_epochs, 1)
+  _one_of("drain_steps", r.drain_steps, DRAIN_STEPS)
   if not 1 <= r.multi_step <= MAX_MULTI_STEP:
     _fail("multi_step", r.multi_step, f"in [1, {MAX_MULTI_STEP}]")
   if r.divide_every and not r.park_rows:

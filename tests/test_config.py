@@ -80,6 +80,7 @@ def test_quickstart_is_small():
     ("--compile_threads=-2", "--compile_threads=-2: expected an integer >= 0"),
     ("--multi_step=0", "--multi_step=0: expected in [1, 64]"),
     ("--multi_step=65", "--multi_step=65: expected in [1, 64]"),
+    ("--drain_steps=some", "--drain_steps=some: expected one of multi, cost, single"),
     ("--history_epochs=0", "--history_epochs=0: expected an integer >= 1"),
 ])
 def test_bad_values_name_the_flag(flag, message):
@@ -136,6 +137,7 @@ def test_draft_modes_match_the_engine():
   from rhyme_jax import config as config_lib
   from rhyme_jax.rollout import engine
   assert config_lib.DRAFT_MODES == engine.DRAFT_MODES
+  assert config_lib.DRAIN_STEPS == engine.DRAIN_STEPS
   assert set(config_lib.SPECULATE) == set(engine.SPECULATE) - {"never"}
 
 

@@ -82,7 +82,7 @@ def engine_config(config: Config, eos_ids: Sequence[int], drafting: bool) -> Eng
       prefill_chunk=c.rollout.prefill_chunk, draft_mode=c.rollout.draft_mode,
       attention=c.rollout.attention, eos_ids=tuple(eos_ids), seed=c.run.seed,
       divide_every=c.rollout.divide_every, compile_threads=c.rollout.compile_threads,
-      multi_step=c.rollout.multi_step,
+      multi_step=c.rollout.multi_step, drain_steps=c.rollout.drain_steps,
       park_rows=c.rollout.park_rows if c.rollout.divide_every else 0)  # no pool unless used
 
 

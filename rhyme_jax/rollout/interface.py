@@ -94,6 +94,7 @@ class RequestResult:
 DRAFT_MODES = ("sync", "ahead", "ahead_only")
 SPECULATE = ("auto", "always", "never")
 BUCKET_MOVES = ("cost", "always")
+DRAIN_STEPS = ("multi", "cost", "single")  # launches once nothing waits (EngineConfig)
 # Cache lengths are rounded up to a power-of-two multiple in [16, 512], the Pallas kernels' KV
 # block (it must divide S): the largest one <= S/16, so padding stays under max(16, S/16)
 # positions while long caches get large blocks (S=4130 -> 4352 = 17 x 256).
@@ -140,6 +141,11 @@ class EngineConfig:
   # steps for nothing (their tokens are dropped); token caps shorten launches instead
   # (loop.Rollout._launch_steps). 1: one step per launch.
   multi_step: int = 1
+  # Launches once no request waits (none queued or parked): "multi" as before; "single" one
+  # step each; "cost" one step where a host pass takes less than the step (tail.py). A launch
+  # reports the ends inside it at its end (read one launch later, pipelined) and the rows stay
+  # in their bucket until then; with nothing waiting, multi_step saves only host time.
+  drain_steps: str = "multi"
   prefill_chunk: int = 64
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
@@ -183,6 +189,8 @@ class EngineConfig:
       raise ValueError(f"max_len={self.max_len}: must be >= 2")
     if self.prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be > 0")
+    if self.drain_steps not in DRAIN_STEPS:
+      raise ValueError(f"drain_steps={self.drain_steps!r}: expected one of {DRAIN_STEPS}")
     if self.draft_mode not in DRAFT_MODES:
       raise ValueError(f"draft_mode={self.draft_mode!r}: expected one of {DRAFT_MODES}")
     if self.attention not in ATTENTIONS:

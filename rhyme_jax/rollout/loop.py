@@ -35,7 +35,7 @@ from rhyme_jax.rollout.divided import YieldRules, park, slots_to_yield
 from rhyme_jax.rollout.interface import AdmissionOrder, EngineStats, Request, RequestResult
 from rhyme_jax.rollout.live import LiveRequest, validate
 from rhyme_jax.rollout.sampling import needs_filtering
-from rhyme_jax.rollout.tail import FinishedLengths, bucket_target
+from rhyme_jax.rollout.tail import FinishedLengths, bucket_target, drain_single
 
 
 @dataclasses.dataclass
@@ -107,8 +107,7 @@ class Rollout:
     self.bucket = engine.bucket_for(len(self.queue))
     self.state = engine._new_state(self.bucket)
     self.slots: list[LiveRequest | None] = [None] * self.bucket
-    drafter = engine.drafter
-    self.overlap = cfg.draft_mode != "sync" and hasattr(drafter, "lookahead")
+    self.overlap = cfg.draft_mode != "sync" and hasattr(engine.drafter, "lookahead")
     self.ahead_only = self.overlap and cfg.draft_mode == "ahead_only"
     if self.overlap and engine._pool is None:
       engine._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead")
@@ -127,8 +126,8 @@ class Rollout:
     # A step's cost is the time from the previous step's outputs to its own: the device runs
     # steps in order, so this is its device time plus whatever kept the device idle before it
     # (the host reading the previous step, planning and drafting when speculation broke the
-    # pipeline), and a step dispatched behind a speculative one does not inherit its time.
-    # Not timed: a step behind a prefill or a bucket move (their device time lands in its
+    # pipeline), and a step dispatched behind a speculative one does not inherit its time. Not
+    # timed: a step behind a prefill or a bucket move (their device time lands in its
     # interval), and a plain step that drafts were asked for (then not verified).
     self.last_ready: float | None = None
     self.events = [0, 0, 0]  # yields, prefills and resumes dispatched since the last step
@@ -182,8 +181,7 @@ class Rollout:
                             self.pool.free_rows())
     if marked:
       self.rules.changed()
-    park(self.pool, self.slots, marked, self.queue,
-         None if self.pending is None else self.landing)
+    park(self.pool, self.slots, marked, self.queue, self.landing if self.pending else None)
     self.events[0] += len(marked)
     self.stats.yields += len(marked)
     self.stats.yield_passes += bool(marked)
@@ -287,10 +285,13 @@ class Rollout:
 
   def _launch_steps(self, live_idx: list[int], in_flight: int) -> int:
     """Plain steps the next launch runs: `EngineConfig.multi_step`, or 1 where a longer launch
-    would step past token caps: while requests wait, where any live row would reach its cap
-    inside it (its slot would idle until the launch ends); with none waiting, where every
-    row would (the launch would run on for nobody). An end at EOS cannot be foreseen."""
+    would step past token caps (an end at EOS cannot be foreseen): while requests wait, where
+    any live row would reach its cap inside it (its slot would idle until the launch ends);
+    with none waiting, where every row would (it would run on for nobody), or where
+    `EngineConfig.drain_steps` says (`tail.drain_single`)."""
     k = self.cfg.multi_step
+    if k > 1 and not (self.queue or self.landing) and drain_single(self, live_idx, in_flight):
+      return 1
     if k > 1:
       left = [self.slots[i].req.params.max_new_tokens - len(self.slots[i].tokens) - in_flight
               for i in live_idx]
@@ -307,8 +308,7 @@ class Rollout:
     wire = jax.device_get(st.out)  # one copy for the step's three outputs
     ready = time.perf_counter()
     waited = 0.0  # for drafts made ahead (not reading)
-    # Python lists: the row loop below reads them element by element
-    tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))
+    tokens_BxT, logp_BxT, num_B = (a.tolist() for a in step.from_wire(wire))  # read per item
     stats.device_time_s += ready - tw
     stats.host_waits += blocking
     stats.timeline.append((ready - self.t0, st.shape, *st.events, st.steps))

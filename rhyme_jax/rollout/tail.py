@@ -10,6 +10,10 @@ there mostly costs. So the engine asks its cost model (`CostModel.bucket_to_run`
 steps the rows are expected to still run, estimated from the lengths this rollout's finished
 requests reached (`FinishedLengths`). `EngineConfig.bucket_moves = "always"` moves at once.
 A move changes where rows run, never what they sample.
+
+The same holds for launches of several plain steps (`EngineConfig.multi_step`) once nothing
+waits: `drain_single` decides when one-step launches report ends, and free rows for a move,
+sooner.
 """
 
 from __future__ import annotations
@@ -81,3 +85,22 @@ def bucket_target(rollout, live_idx: list[int]) -> int:
                                       engine.move_seconds, rollout.pass_s or 0.0, steps_left)
   rollout.stats.moves_held += target == bucket
   return target
+
+
+def drain_single(rollout, live_idx: list[int], in_flight: int) -> bool:
+  """With no request waiting, whether the next launch of `rollout` (a loop.Rollout) runs one
+  plain step rather than `multi_step` (`EngineConfig.drain_steps`). A launch of k steps makes
+  its rows' ends known only when it is read, a launch later when pipelined, so the rollout's
+  end and each bucket move come up to 2k steps late; with nothing waiting its one gain is host
+  time. "cost": one step where a drained host pass (`Rollout.pass_s`) takes less than the
+  step's time in the cost model, so that pipelining hides the extra passes."""
+  mode = rollout.cfg.drain_steps
+  if mode != "cost":
+    return mode == "single"
+  if rollout.pass_s is None:
+    return False
+  engine, bucket = rollout.engine, rollout.bucket
+  longest = max(len(rollout.slots[i].req.prompt) + len(rollout.slots[i].tokens)
+                for i in live_idx)
+  shape = (bucket, bucket, 1, engine._kv_len_for(longest + in_flight + 1))
+  return rollout.pass_s < engine.costs.time(shape)

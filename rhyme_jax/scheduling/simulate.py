@@ -37,10 +37,10 @@ far of yielded requests still queued (what an online policy needs to rank a resu
 Launches (`multi_step` > 1, the engine's `EngineConfig.multi_step`): a stretch of plain steps
 runs as one launch of that many steps, shortened to one step by the engine's token-cap rule
 (`rollout.loop.Rollout._launch_steps`: while requests wait, where a row would reach its cap
-inside the launch; with none waiting, where every row would). A request that ends inside a
-launch holds its row until the launch ends, and is recorded as finished at the launch's end
-(`SimResult.finish_ms`, what the host sees; `step_finish_ms` keeps the step that computed its
-last token, the engine's modelled clock).
+inside the launch; with none waiting, where every row would, or always with
+`drain_single_step`, the engine's `EngineConfig.drain_steps`). A request that ends inside a launch holds its row until the launch ends,
+and is recorded as finished at the launch's end (`SimResult.finish_ms`, what the host sees;
+`step_finish_ms` keeps the step that computed its last token, the engine's modelled clock).
 Pipelining (`pipeline`, the engine's default): the engine dispatches a launch before it reads
 the one before, so admissions and yields see each launch's outputs one launch late, and a row
 that finished stays in the batch (computing nothing) for one more launch while requests wait;
@@ -88,6 +88,9 @@ class SimConfig:
   divided: DividedRollout = DividedRollout()
   multi_step: int = 1  # plain steps per launch (speculative steps run one per launch)
   pipeline: bool = False  # outputs read one launch late (the engine's `pipeline`)
+  # one-step launches once nothing waits: the engine's drain_steps "single" (and "cost"'s
+  # choice where host time is free, as here)
+  drain_single_step: bool = False
 
   def __post_init__(self):
     if self.multi_step < 1:
@@ -265,7 +268,8 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
     budget, advance = table.best_budget(bucket, accepted) if accepted else (0, 1.0)
     waiting = donor(s) is not None
     k = 1
-    if cfg.multi_step > 1 and budget == 0:  # the engine's token-cap rule for a launch
+    drain = cfg.drain_single_step and not waiting
+    if cfg.multi_step > 1 and budget == 0 and not drain:  # the engine's token-cap rule
       # The engine counts a row's tokens as read plus the launch in flight's (it cannot know
       # that one ended inside it): progress, but for a row that ended in the unread launch.
       ended = {id(j): j.seen + unread[s][2] for j, _ in unread[s][0]} if unread[s] else {}

@@ -115,6 +115,32 @@ def test_multi_step_launches_stop_at_token_caps(tiny_model):
   assert four.stats.launches == 3 * 4 < one.stats.launches
 
 
+def test_drain_steps_single_launches_one_step_once_nothing_waits(tiny_model):
+  """With drain_steps "single", once no request is queued every launch runs one step (each
+  response's end is read a step after it, not at a 4-step launch's end); while requests wait
+  launches keep multi_step. Same tokens as either launch length; nothing compiles (one-step
+  launches are the warm-up's plain steps)."""
+  from rhyme_jax.rollout.engine import TRACE_COUNTS
+  lengths = np.random.default_rng(2).integers(8, 56, size=14)
+  reqs = lambda: [Request(i, [1 + i, 2, 5], SamplingParams(temperature=1.0,
+                                                           max_new_tokens=int(n)))
+                  for i, n in enumerate(lengths)]
+  four = _multi(tiny_model, 4)
+  drain = RolloutEngine(tiny_model, dataclasses.replace(four.config, drain_steps="single"))
+  drain.warmup(filters=False)
+  before = dict(TRACE_COUNTS)
+  got = drain.generate(reqs())
+  assert dict(TRACE_COUNTS) == before, "a rollout compiled"
+  want = four.generate(reqs())
+  assert [r.tokens.tolist() for r in want] == [r.tokens.tolist() for r in got]
+  # (queued requests at dispatch, the launch's steps) per launch
+  launches = lambda st: [(tr[3], tl[6]) for tr, tl in zip(st.trace, st.timeline)]
+  assert {k for q, k in launches(drain.stats) if q == 0} == {1}
+  assert {k for q, k in launches(drain.stats) if q > 0} == {1, 4}
+  assert 4 in {k for q, k in launches(four.stats) if q == 0}  # without it the drain runs 4
+  assert drain.stats.launches > four.stats.launches and drain.stats.tokens == four.stats.tokens
+
+
 def test_multi_step_compiles_at_warmup_only(tiny_model):
   """Multi-step launches compile at warm-up (per bucket and cache length); rollouts with a
   drafter that the cost model weighs each step ("auto") then compile nothing, and sample what

@@ -81,7 +81,7 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
           if line.startswith("| small")]
   # the divided, KV-kept, one-shard scenarios: h100 / cpu at one step per launch, engine-like
   assert [(r[1], r[4]) for r in rows] == [("h100", "1"), ("cpu", "1"), ("h100", "4 piped"),
-                                           ("cpu", "1 piped")]
+                                           ("h100", "4 piped, drain 1"), ("cpu", "1 piped")]
   for r in rows:
     ratios = [float(cell.split(",")[0]) for cell in r[6:10]]
     assert all(0.5 < x < 2 for x in ratios)

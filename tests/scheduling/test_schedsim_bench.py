@@ -80,7 +80,7 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   # row per table); summary (21); divided rollout's references (one shard, KV kept: chunk at
   # launch 1 and engine-like).
   divided = [sc for sc in full if sc.chunk and sc.keep_kv and not sc.kv_rows]
-  assert len(divided) == 4
+  assert len(divided) == 5
   assert by_kind == {"cross-step": 8, "references": len(divided), "per-prompt": 2,
                      "detail": len(full) * len(schedsim.POLICIES), "summary": len(scenarios)}
   # Divided rollout: only the online orders yield (a static order's "yield" resumes in place).
@@ -91,7 +91,7 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   assert all(n == 0 for (chunk, _, pol), n in yields.items() if chunk == "-" or pol not in online)
   assert any(n > 0 for (chunk, _, pol), n in yields.items() if chunk != "-")
   # The engine-like scenarios (outputs read a launch late; 4 steps per launch on the h100 table)
-  assert {launch for _, launch, _ in yields} == {"1", "4 piped", "1 piped"}
+  assert {launch for _, launch, _ in yields} == {"1", "4 piped", "4 piped, drain 1", "1 piped"}
   assert any(n > 0 for (chunk, launch, _), n in yields.items() if launch == "4 piped")
   assert len(lines) == sum(by_kind.values())
   # 32 requests: slots scale to 16 (h100) / 8 (cpu), chunk min(64, 64 / 4) = 16.

@@ -2,6 +2,7 @@
 conserved, utilisation <= 1) over policies and configurations, the step-time table, and the
 divided rollout moving work off a loaded shard."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -57,6 +58,9 @@ def test_launches_of_several_steps_hold_rows_to_their_end_and_respect_caps():
   assert list(res.finish_ms) == [8.0, 12.0] and (res.steps, res.launches) == (12, 3)
   # On the step clock each ends with the step that computed its last token: 6, then 8 + 2.
   assert list(res.step_finish_ms) == [6.0, 10.0]
+  # With drain_single_step, 1 runs one-step launches once nothing waits: read at step 10.
+  drain = simulate(_jobs([6, 2]), fifo, FLAT, dataclasses.replace(cfg, drain_single_step=True))
+  assert list(drain.finish_ms) == [8.0, 10.0] and (drain.steps, drain.launches) == (10, 4)
   # With a request waiting, a row 1 token from its cap runs a one-step launch (loop's rule).
   capped = [(RequestMeta(i, i, f"p{i}", i, 5), n) for i, n in enumerate([5, 1])]
   res = simulate(capped, fifo, FLAT, cfg)

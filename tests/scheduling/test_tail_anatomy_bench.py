@@ -44,7 +44,8 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
   # the divided, KV-kept, one-shard scenarios, each order once
   scen = [(r[col["table"]], r[col["launch"]]) for r in rows]
   assert scen == [(s, l) for s, l in [("h100", "1"), ("cpu", "1"), ("h100", "4 piped"),
-                                      ("cpu", "1 piped")] for _ in tail_anatomy.ORDERS]
+                                      ("h100", "4 piped, drain 1"), ("cpu", "1 piped")]
+                  for _ in tail_anatomy.ORDERS]
   for r in rows:
     if r[col["order"]] == "fifo":  # its own cut: none, or undefined where its tail is 0
       for ms, cut in (("tail ms", "tail cut vs fifo"),
