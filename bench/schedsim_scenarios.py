@@ -48,7 +48,7 @@ class Scenario:
   kv_rows: float = 0  # history_residual's cap on started requests, x slots (0: none)
   multi_step: int = 1  # plain steps per launch (the engine's EngineConfig.multi_step)
   pipeline: bool = False  # outputs read one launch late, as the engine reads them
-  drain: bool = False  # one-step launches once nothing waits (EngineConfig.drain_single_step)
+  drain: bool = False  # one-step launches once nothing waits (EngineConfig.drain_steps single)
 
   def label(self) -> str:
     spec = f"a={self.accepted:g}@T{self.budget}" if self.accepted > 1 else "off"

@@ -42,7 +42,8 @@ from rhyme_jax.rollout.cost_model import CostModel
 from rhyme_jax.rollout.divided import ParkPool, YieldCost
 from rhyme_jax.rollout.drafts import DraftSource, cleaned_drafts
 from rhyme_jax.rollout.interface import (  # noqa: F401  (the interface, re-exported)
-    DRAFT_MODES, DRAIN_STEPS, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request, RequestResult)
+    DRAFT_MODES, DRAIN_STEPS, SPECULATE, AdmissionOrder, EngineConfig, EngineStats, Request,
+    RequestResult)
 from rhyme_jax.rollout.live import tree_depths
 
 

@@ -181,7 +181,7 @@ class Rollout:
                             self.pool.free_rows())
     if marked:
       self.rules.changed()
-    park(self.pool, self.slots, marked, self.queue, self.landing if self.pending else None)
+    park(self.pool, self.slots, marked, self.queue, None if self.pending is None else self.landing)
     self.events[0] += len(marked)
     self.stats.yields += len(marked)
     self.stats.yield_passes += bool(marked)
@@ -250,7 +250,7 @@ class Rollout:
     else:
       trees, p, t = None, bucket, 1
       rows = [(i, slots[i], 0, 0, None, None) for i in live_idx]
-    k = 1 if speculate else self._launch_steps(live_idx, in_flight)
+    k = 1 if speculate else self._launch_steps(live_idx, in_flight, longest)
     s = engine._kv_len_for(longest + in_flight + t * k)
     wire = (engine._plain_roots(live_B) if t == 1 and not drafted else
             accept.pack(trees, live_B, p).wire())
@@ -283,14 +283,14 @@ class Rollout:
     stats.trace.append((bucket, p, len(live_idx), len(self.queue)))
     return st
 
-  def _launch_steps(self, live_idx: list[int], in_flight: int) -> int:
+  def _launch_steps(self, live_idx: list[int], in_flight: int, longest: int) -> int:
     """Plain steps the next launch runs: `EngineConfig.multi_step`, or 1 where a longer launch
     would step past token caps (an end at EOS cannot be foreseen): while requests wait, where
     any live row would reach its cap inside it (its slot would idle until the launch ends);
     with none waiting, where every row would (it would run on for nobody), or where
     `EngineConfig.drain_steps` says (`tail.drain_single`)."""
     k = self.cfg.multi_step
-    if k > 1 and not (self.queue or self.landing) and drain_single(self, live_idx, in_flight):
+    if k > 1 and not (self.queue or self.landing) and drain_single(self, longest + in_flight):
       return 1
     if k > 1:
       left = [self.slots[i].req.params.max_new_tokens - len(self.slots[i].tokens) - in_flight

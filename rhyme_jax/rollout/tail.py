@@ -87,20 +87,20 @@ def bucket_target(rollout, live_idx: list[int]) -> int:
   return target
 
 
-def drain_single(rollout, live_idx: list[int], in_flight: int) -> bool:
+def drain_single(rollout, longest: int) -> bool:
   """With no request waiting, whether the next launch of `rollout` (a loop.Rollout) runs one
   plain step rather than `multi_step` (`EngineConfig.drain_steps`). A launch of k steps makes
   its rows' ends known only when it is read, a launch later when pipelined, so the rollout's
   end and each bucket move come up to 2k steps late; with nothing waiting its one gain is host
   time. "cost": one step where a drained host pass (`Rollout.pass_s`) takes less than the
-  step's time in the cost model, so that pipelining hides the extra passes."""
+  step's time in the cost model at the rows' bucket and the cache length that holds `longest`
+  positions (the longest row's, with the launch in flight's) and the step, so that pipelining
+  hides the extra passes."""
   mode = rollout.cfg.drain_steps
   if mode != "cost":
     return mode == "single"
   if rollout.pass_s is None:
     return False
   engine, bucket = rollout.engine, rollout.bucket
-  longest = max(len(rollout.slots[i].req.prompt) + len(rollout.slots[i].tokens)
-                for i in live_idx)
-  shape = (bucket, bucket, 1, engine._kv_len_for(longest + in_flight + 1))
+  shape = (bucket, bucket, 1, engine._kv_len_for(longest + 1))
   return rollout.pass_s < engine.costs.time(shape)

@@ -38,9 +38,10 @@ Launches (`multi_step` > 1, the engine's `EngineConfig.multi_step`): a stretch o
 runs as one launch of that many steps, shortened to one step by the engine's token-cap rule
 (`rollout.loop.Rollout._launch_steps`: while requests wait, where a row would reach its cap
 inside the launch; with none waiting, where every row would, or always with
-`drain_single_step`, the engine's `EngineConfig.drain_steps`). A request that ends inside a launch holds its row until the launch ends,
-and is recorded as finished at the launch's end (`SimResult.finish_ms`, what the host sees;
-`step_finish_ms` keeps the step that computed its last token, the engine's modelled clock).
+`drain_single_step`, the engine's `EngineConfig.drain_steps`). A request that ends inside a
+launch holds its row until the launch ends, and is recorded as finished at the launch's end
+(`SimResult.finish_ms`, what the host sees; `step_finish_ms` keeps the step that computed its
+last token, the engine's modelled clock).
 Pipelining (`pipeline`, the engine's default): the engine dispatches a launch before it reads
 the one before, so admissions and yields see each launch's outputs one launch late, and a row
 that finished stays in the batch (computing nothing) for one more launch while requests wait;

@@ -152,24 +152,21 @@ def test_drain_steps_cost_runs_one_step_where_the_host_pass_hides_behind_it():
   holds the longest row, the launch in flight and the step); "single" / "multi" always / never;
   and before any pass was timed, the multi-step launch."""
   engine = RolloutEngine.__new__(RolloutEngine)  # only its cache-length helper and costs
-  row = types.SimpleNamespace(req=Request(0, [1] * 10, SamplingParams(max_new_tokens=40)),
-                              tokens=[5] * 5)
 
   def rollout(mode, pass_s, step_s):
     engine.config = EngineConfig(max_len=64, buckets=(4, 2, 1), kv_buckets=2, multi_step=4,
                                  drain_steps=mode)
     engine.kv_lengths = engine.config.kv_lengths()
-    s = engine._kv_len_for(10 + 5 + 4 + 1)
+    s = engine._kv_len_for(10 + 5 + 4 + 1)  # a 10-token prompt, 5 tokens, 4 in flight
     engine.costs = CostModel()
     engine.costs.observe_time((2, 2, 1, s), step_s, warmup=True)
     engine.costs.observe_time((4, 4, 1, s), 10 * step_s, warmup=True)  # another bucket's
-    return types.SimpleNamespace(engine=engine, cfg=engine.config, bucket=2, pass_s=pass_s,
-                                 slots=[row, None])
+    return types.SimpleNamespace(engine=engine, cfg=engine.config, bucket=2, pass_s=pass_s)
 
-  assert drain_single(rollout("cost", 0.004, 0.005), [0], 4)
-  assert not drain_single(rollout("cost", 0.006, 0.005), [0], 4)
-  assert not drain_single(rollout("cost", None, 0.005), [0], 4)
-  assert drain_single(rollout("single", 1.0, 0.005), [0], 4)
-  assert not drain_single(rollout("multi", 0.0, 0.005), [0], 4)
+  assert drain_single(rollout("cost", 0.004, 0.005), 10 + 5 + 4)
+  assert not drain_single(rollout("cost", 0.006, 0.005), 10 + 5 + 4)
+  assert not drain_single(rollout("cost", None, 0.005), 10 + 5 + 4)
+  assert drain_single(rollout("single", 1.0, 0.005), 10 + 5 + 4)
+  assert not drain_single(rollout("multi", 0.0, 0.005), 10 + 5 + 4)
   with pytest.raises(ValueError, match="drain_steps='some'"):
     EngineConfig(drain_steps="some")
