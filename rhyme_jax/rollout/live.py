@@ -70,6 +70,8 @@ def validate(req: Request, seen: set, vocab: int, max_len: int) -> str | None:
   except ValueError as e:
     return f"request {req.request_id}: invalid sampling params: {e}"
   n = len(req.prompt)
+  if not -2**31 <= req.request_id < 2**31:  # the device holds it (and keys samples by it) as int32
+    return f"request {req.request_id}: request_id outside int32 [-2**31, 2**31)"
   if req.request_id in seen:
     return f"request {req.request_id}: duplicate request_id"
   if n == 0:

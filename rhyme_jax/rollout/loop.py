@@ -77,19 +77,21 @@ class Rollout:
     self.cfg = cfg = engine.config
     engine.stats = self.stats = EngineStats()
     self.admission = admission
-    self.results: dict[int, RequestResult] = {}
+    self.results: dict[int, RequestResult] = {}  # by position among `requests`
+    self.position: dict[int, int] = {}  # request_id -> position (unique once valid)
     self.queue: list[Request] = []
     seen: set = set()
-    for req in requests:
+    for i, req in enumerate(requests):
       err = validate(req, seen, engine.model_config.vocab_size, cfg.max_len)
       seen.add(req.request_id)
       if err:
-        self.results[id(req)] = RequestResult(
+        self.results[i] = RequestResult(
             req.request_id, req.group_id, np.asarray(req.prompt, np.int32),
             np.zeros(0, np.int32), np.zeros(0, np.float32), "error", error=err)
       else:
+        self.position[req.request_id] = i
         self.queue.append(req)
-    self.order = [id(r) for r in requests]
+    self.count = len(requests)
     if admission is not None:
       opening = list(admission.order(self.queue))
       if sorted(map(id, opening)) != sorted(map(id, self.queue)):
@@ -168,7 +170,7 @@ class Rollout:
     stats.cpu_time_s = time.thread_time() - self.cpu0
     stats.parked_peak = self.pool.peak if self.pool is not None else 0
     stats.yield_rules = self.rules.built if self.rules is not None else 0
-    return [self.results[k] for k in self.order]
+    return [self.results[i] for i in range(self.count)]
 
   # ---- a pass's parts, in loop order -----------------------------------------------------------
 
@@ -289,15 +291,12 @@ class Rollout:
     any live row would reach its cap inside it (its slot would idle until the launch ends);
     with none waiting, where every row would (it would run on for nobody), or where
     `EngineConfig.drain_steps` says (`tail.drain_single`)."""
-    k = self.cfg.multi_step
-    if k > 1 and not (self.queue or self.landing) and drain_single(self, longest + in_flight):
+    k, waiting = self.cfg.multi_step, bool(self.queue or self.landing)  # landing: to requeue
+    if k == 1 or (not waiting and drain_single(self, longest + in_flight)):
       return 1
-    if k > 1:
-      left = [self.slots[i].req.params.max_new_tokens - len(self.slots[i].tokens) - in_flight
-              for i in live_idx]
-      if (min(left) if self.queue else max(left)) < k:
-        return 1
-    return k
+    left = [self.slots[i].req.params.max_new_tokens - len(self.slots[i].tokens) - in_flight
+            for i in live_idx]
+    return 1 if (min(left) if waiting else max(left)) < k else k
 
   # ---- reading a step --------------------------------------------------------------------------
 
@@ -344,7 +343,7 @@ class Rollout:
           n = k + 1
           break
       # verify steps the row took part in (up to its end) and drafts it had accepted
-      took, got = (n, 0) if multi else (1, emitted - 1)
+      took, got = (n, 0) if multi else (1, min(emitted - 1, n))  # drafts kept, to its end
       lv.steps += took
       useful += took
       lv.drafted += drafted
@@ -382,7 +381,8 @@ class Rollout:
   def _finish(self, slot: int, lv: LiveRequest, reason: str) -> None:
     """Records a finished request's result and frees what it held: its slot (unless it was
     parked in flight), the cost model's and the drafter's state for it."""
-    self.results[id(lv.req)] = lv.result(reason, time.perf_counter() - self.t0)
+    self.results[self.position[lv.req.request_id]] = lv.result(reason, time.perf_counter()
+                                                               - self.t0)
     lv.done = True
     rid, gid = lv.req.request_id, lv.req.group_id
     self.finished_len[rid] = len(lv.tokens)

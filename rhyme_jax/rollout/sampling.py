@@ -34,8 +34,8 @@ class SamplingParams:
                        "(0 = greedy)")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-    if int(self.top_k) != self.top_k or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
+    if int(self.top_k) != self.top_k or not 0 <= self.top_k < 2**31:
+      raise ValueError(f"top_k={self.top_k}: must be an integer in [0, 2**31) (0 = off)")
     if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be an integer > 0")
     for s in self.stop_sequences:

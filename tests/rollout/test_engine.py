@@ -133,10 +133,16 @@ def test_bad_requests_fail_alone(tiny_model):
       Request(6, [1, 999], good),
       Request(0, [4, 5], good),  # duplicate id
       Request(7, [4, 5, 6], good),
+      Request(2**31, [4, 5], good),  # the device holds ids as int32
+      Request(8, [1, 2], SamplingParams(top_k=2**40)),
   ]
+  reqs.append(reqs[8])  # the same request object twice: its second copy is the duplicate
   res = engine(tiny_model, None, budget=0).generate(reqs)
+  assert len(res) == len(reqs)
   errors = {i: r.error for i, r in enumerate(res) if r.finish_reason == "error"}
-  assert set(errors) == {1, 2, 3, 4, 5, 6, 7}
+  assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 9, 10, 11}
+  assert "int32" in errors[9] and "top_k" in errors[10]
+  assert "duplicate" in errors[11] and res[11].request_id == 7
   assert "empty prompt" in errors[1]
   assert "max_len=64" in errors[2] and "60 tokens" in errors[2]
   assert "max_new_tokens" in errors[3]
@@ -162,6 +168,9 @@ def test_stop_sequences_and_max_tokens(tiny_model):
                  if tuple(free.tokens[i - 2:i]) == stop)
     np.testing.assert_array_equal(res.tokens, free.tokens[:first])
     assert res.finish_reason == "stop"
+    if drafter is not None:  # right drafts past the stop: accepted counts the kept ones only
+      assert res.drafted > len(res.tokens)
+      assert res.accepted == len(res.tokens) - (res.steps - 1)
 
 
 def test_unverified_drafts_do_not_count_as_rejected(tiny_model):

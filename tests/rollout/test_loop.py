@@ -115,6 +115,24 @@ def test_multi_step_launches_stop_at_token_caps(tiny_model):
   assert four.stats.launches == 3 * 4 < one.stats.launches
 
 
+def test_a_request_parked_in_flight_waits_as_a_queued_one():
+  """A request parked while the step in flight runs (`landing`) rejoins the queue once that
+  step is read: for the token-cap rule it waits, so a launch stops where any row reaches its
+  cap (its slot goes to that request), not only where every row does."""
+  import types
+  from rhyme_jax.rollout.loop import Rollout
+  row = lambda left: types.SimpleNamespace(
+      req=Request(0, [1], SamplingParams(max_new_tokens=10)), tokens=[0] * (10 - left))
+  r = types.SimpleNamespace(cfg=EngineConfig(max_len=64, multi_step=4), queue=[], landing=[],
+                            slots=[row(2), row(9)])
+  steps = lambda: Rollout._launch_steps(r, [0, 1], 0, 9)
+  assert steps() == 4  # nothing waits: the longer row runs on
+  r.landing = ["parked"]
+  assert steps() == 1
+  r.landing, r.queue = [], ["queued"]
+  assert steps() == 1
+
+
 def test_drain_steps_single_launches_one_step_once_nothing_waits(tiny_model):
   """With drain_steps "single", once no request is queued every launch runs one step (each
   response's end is read a step after it, not at a 4-step launch's end); while requests wait

@@ -71,7 +71,7 @@ def test_greedy_logprob_is_model_logprob():
 
 @pytest.mark.parametrize("field,kw", [("temperature", dict(temperature=-1.0)),
                                       ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5)),
-                                      ("top_k", dict(top_k=-2)),
+                                      ("top_k", dict(top_k=-2)), ("top_k", dict(top_k=2**31)),
                                       ("max_new_tokens", dict(max_new_tokens=0)),
                                       ("stop_sequences", dict(stop_sequences=((),)))])
 def test_invalid_params_name_the_field(field, kw):
