@@ -77,7 +77,7 @@ class Rollout:
     self.cfg = cfg = engine.config
     engine.stats = self.stats = EngineStats()
     self.admission = admission
-    self.results: dict[int, RequestResult] = {}  # by position among `requests`
+    self.results: list[RequestResult | None] = [None] * len(requests)  # in their order
     self.position: dict[int, int] = {}  # request_id -> position (unique once valid)
     self.queue: list[Request] = []
     seen: set = set()
@@ -91,7 +91,6 @@ class Rollout:
       else:
         self.position[req.request_id] = i
         self.queue.append(req)
-    self.count = len(requests)
     if admission is not None:
       opening = list(admission.order(self.queue))
       if sorted(map(id, opening)) != sorted(map(id, self.queue)):
@@ -170,7 +169,7 @@ class Rollout:
     stats.cpu_time_s = time.thread_time() - self.cpu0
     stats.parked_peak = self.pool.peak if self.pool is not None else 0
     stats.yield_rules = self.rules.built if self.rules is not None else 0
-    return [self.results[i] for i in range(self.count)]
+    return self.results
 
   # ---- a pass's parts, in loop order -----------------------------------------------------------
 
@@ -381,10 +380,9 @@ class Rollout:
   def _finish(self, slot: int, lv: LiveRequest, reason: str) -> None:
     """Records a finished request's result and frees what it held: its slot (unless it was
     parked in flight), the cost model's and the drafter's state for it."""
-    self.results[self.position[lv.req.request_id]] = lv.result(reason, time.perf_counter()
-                                                               - self.t0)
-    lv.done = True
     rid, gid = lv.req.request_id, lv.req.group_id
+    self.results[self.position[rid]] = lv.result(reason, time.perf_counter() - self.t0)
+    lv.done = True
     self.finished_len[rid] = len(lv.tokens)
     self.live_len.pop(rid, None)
     if self.rules is not None:
