@@ -32,6 +32,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging as absl_logging
 from flax import nnx
 
 from rhyme_jax.models.attention import KVCache, resolve_attention
@@ -88,6 +89,7 @@ class RolloutEngine:
     self.yield_cost: YieldCost | None = None
     # Seconds to move a state out of each bucket into the next smaller (warm-up)
     self.move_seconds: dict[int, float] = {}
+    self.warmed: set[bool] = set()  # the `filters` values warm-up compiled steps for
 
   @property
   def yield_seconds(self) -> float | None:
@@ -141,8 +143,12 @@ class RolloutEngine:
 
   def warmup(self, filters: bool = False) -> None:
     """Compiles every step shape, the prefill, slot loading and bucket moves up front, so a
-    rollout never compiles; times each step shape to seed the cost model (`warmup.warm_up`)."""
+    rollout never compiles; times each step shape to seed the cost model (`warmup.warm_up`).
+    Steps compile for one `filters`: True serves rollouts with a top-p / top-k request
+    (`SamplingParams.filters`), False the others; `generate` warns of a rollout that needs a
+    value no warm-up compiled (call this once per value used, as the trainer does)."""
     warmup.warm_up(self, filters)
+    self.warmed.add(bool(filters))
 
   def update_params(self, model_or_params) -> None:
     """Swaps in new weights (same structure); compiled functions are kept."""
@@ -333,4 +339,11 @@ class RolloutEngine:
     finish_reason "error" and a message; the others run as usual. The loop and the rollout's
     state live in loop.Rollout; `stats` holds this call's counters.
     """
-    return loop.Rollout(self, requests, admission).run()
+    rollout = loop.Rollout(self, requests, admission)
+    if self.warmed and rollout.filters not in self.warmed:
+      absl_logging.warning(
+          "generate: these requests %s top-p / top-k, but warm-up compiled steps only for "
+          "requests that %s; each step shape compiles inside this rollout (call "
+          "warmup(filters=%s) first)", *(("use", "do not", True) if rollout.filters
+                                         else ("do not use", "do", False)))
+    return rollout.run()

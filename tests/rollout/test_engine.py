@@ -386,3 +386,27 @@ def test_a_plain_steps_roots_are_packed_once_per_live_pattern(tiny_model):
   assert wires[1] is wires[0]
   for live, wire in zip(patterns, wires):
     np.testing.assert_array_equal(wire, real_pack([None] * 4, live, 4).wire())
+
+
+def test_a_rollout_warm_up_did_not_compile_for_is_named(tiny_model, caplog):
+  """Steps compile per `filters`: a rollout with top-p requests on an engine warmed only for
+  unfiltered ones compiles inside the rollout, and says so; once both are warmed, or before
+  any warm-up (a caller that never warms), it says nothing."""
+  import logging
+  eng = engine(tiny_model, None, budget=0, buckets=(1,))
+  topp = [Request(0, [1, 2], PARAMS["t0.7_topp0.9"])]
+  with caplog.at_level(logging.WARNING):
+    eng.generate(topp)
+    assert not caplog.records
+    eng.warmup(filters=False)
+    eng.generate(topp)
+    assert [r.getMessage() for r in caplog.records] == [
+        "generate: these requests use top-p / top-k, but warm-up compiled steps only for "
+        "requests that do not; each step shape compiles inside this rollout (call "
+        "warmup(filters=True) first)"]
+    caplog.clear()
+    eng.warmup(filters=True)
+    before = dict(TRACE_COUNTS)
+    eng.generate(topp)
+    eng.generate([Request(1, [1, 2], PARAMS["t1.0"])])
+    assert not caplog.records and dict(TRACE_COUNTS) == before
