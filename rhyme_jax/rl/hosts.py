@@ -89,13 +89,24 @@ class HostPlan:
             "schedule/host_tokens_ratio_slices": ratio(tokens, self.slices())}
 
 
-def in_data_order(records: Sequence[GroupRecord], plan: HostPlan) -> list[GroupRecord]:
-  """Every host's exchanged groups (process order: `plan.sampled_order()`) in round order."""
+def in_data_order(records: Sequence[GroupRecord], plan: HostPlan,
+                  prompts: Sequence[Prompt]) -> list[GroupRecord]:
+  """Every host's exchanged groups (process order: `plan.sampled_order()`) in round order,
+  each checked against the round's prompt at its place: a host whose plan differed (its
+  history store or data order not the others') sampled other prompts, and its groups would
+  otherwise be trained on as the wrong prompts' answers."""
   order = plan.sampled_order()
   if len(records) != len(order):
     raise ValueError(f"in_data_order: {len(records)} groups for a plan of {len(order)}")
   out: list[Any] = [None] * len(order)
   for record, q in zip(records, order):
+    want = prompts[q]
+    if (record.uid, record.key, record.epoch) != (want.example.uid, want.key, want.epoch):
+      raise ValueError(
+          f"--balance_hosts: the hosts derived different plans: round position {q} came back "
+          f"as prompt {record.uid!r} (epoch {record.epoch}) where this host's plan has "
+          f"{want.example.uid!r} (epoch {want.epoch}); every host must hold the same history "
+          f"store and read the same data")
     out[q] = record
   return out
 
@@ -173,7 +184,7 @@ def balanced_rounds(next_round: Callable[[], Sequence[Prompt]], rollouts, config
     groups = rollouts.sample_round([prompts[q] for q in mine], step, r, stats, positions=mine)
     sent = [GroupRecord.of(g, logprobs=True).to_json() for g in groups]
     got = [GroupRecord.from_json(x) for host in multihost.allgather_json(sent) for x in host]
-    in_order = in_data_order(got, plan)
+    in_order = in_data_order(got, plan, prompts)
     records += in_order
     mets.append(plan.metrics(in_order))
     kept += [(prompts[q], g) for q, g in enumerate(in_order) if keeps(g)]

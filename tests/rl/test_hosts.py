@@ -47,7 +47,7 @@ def test_plan_moves_long_prompts_apart_and_groups_return_to_data_order():
   sampled = {q: GroupRecord.of(_group(prompts[q], q), logprobs=True) for q in range(4)}
   wire = [GroupRecord.from_json(json.loads(json.dumps(sampled[q].to_json())))
           for q in plan.sampled_order()]
-  ordered = hosts.in_data_order(wire, plan)
+  ordered = hosts.in_data_order(wire, plan, prompts)
   assert [r.uid for r in ordered] == ["u0", "u1", "u2", "u3"]
   m = plan.metrics(ordered)
   assert m["schedule/host_groups_moved"] == 1
@@ -64,7 +64,16 @@ def test_plan_moves_long_prompts_apart_and_groups_return_to_data_order():
       np.testing.assert_array_equal(got.logprobs, want.logprobs)
       assert (got.reward, got.correct, got.finish_reason) == (want.reward, want.correct, "stop")
   with pytest.raises(ValueError, match="2 groups for a plan of 4"):
-    hosts.in_data_order(wire[:2], plan)
+    hosts.in_data_order(wire[:2], plan, prompts)
+  # A host whose history differed planned [[1], [0, 2, 3]]: host 0 sampled prompt 1, host 1
+  # prompts 0, 2, 3. Put back by this host's plan, prompt 1's answers would sit at place 0.
+  other = hosts.HostPlan.make(prompts, _predictor(prompts, [80, 90, 5, 4]), G, 2)
+  assert other.hosts == [[1], [0, 2, 3]]
+  swapped = [sampled[q] for q in other.sampled_order()]
+  with pytest.raises(ValueError, match=r"^--balance_hosts: the hosts derived different plans: "
+                     r"round position 0 came back as prompt 'u1' \(epoch 0\) where this "
+                     r"host's plan has 'u0' \(epoch 0\); every host must hold the same"):
+    hosts.in_data_order(swapped, plan, prompts)
   with pytest.raises(ValueError, match="do not split over 3 hosts"):
     hosts.HostPlan.make(prompts, _predictor(prompts, [1, 2, 3, 4]), G, 3)
 
