@@ -35,21 +35,13 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from rhyme_jax.history import arena as arena_lib, fast_draft, match_tree
-from rhyme_jax.history.store import HistoryStore, prompt_key as hash_prompt
+from rhyme_jax.history.store import HistoryStore, store_key  # noqa: F401  (re-exported)
 from rhyme_jax.rollout.drafts import DraftBatch, DraftQuery, DraftTree
 
 START = arena_lib.START  # sentinel opening every indexed response (never drafted)
 HISTORY, SIBLING = 0, 1  # segment kinds
 _NO_SEGS = np.zeros(0, np.int64)
 PARALLEL_MIN = 16  # queries per batch from which drafting is split across threads
-
-
-def store_key(key: Hashable) -> Hashable:
-  """The history-store key of a prompt key: token sequences (the engine's default key is the
-  prompt's token tuple) become their stable hash; str / int keys pass through."""
-  if isinstance(key, (tuple, list, np.ndarray)):
-    return hash_prompt(key)
-  return key
 
 
 @dataclasses.dataclass

@@ -3,8 +3,11 @@
 RL revisits every prompt once per epoch. After each rollout the trainer records the group it
 just generated (`add_group`); the next epoch drafts from those responses and predicts the
 prompt's response length from them. Only the last `epochs_kept` epochs are kept per prompt (the
-published HistoSpec keeps 1), and the whole store is bounded in tokens: the least recently used
-prompts are evicted first. `state_dict()` is a handful of flat numpy arrays plus a JSON string,
+published HistoSpec keeps 1), and the whole store is bounded in tokens: the prompts least recently
+recorded are evicted first. Only recording moves a prompt in that order, never a read (drafting,
+a length look-up): every host of a pod records the same groups in the same order while each
+drafts only its own prompts, so their stores, and the plans scheduling derives from them, stay
+identical. `state_dict()` is a handful of flat numpy arrays plus a JSON string,
 so it can ride along in the training checkpoint.
 """
 
@@ -28,6 +31,15 @@ def prompt_key(tokens: Sequence[int]) -> str:
   """A stable key for a prompt: blake2b (128 bit) of its tokens as little-endian int32."""
   data = np.ascontiguousarray(np.asarray(tokens, dtype="<i4").reshape(-1)).tobytes()
   return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def store_key(key) -> Hashable:
+  """The store key of a request's prompt key: token sequences (the engine's default key is the
+  prompt's token tuple) become their `prompt_key` hash; str / int keys pass through. The
+  drafter records and reads, and the length predictor looks up, by this one key."""
+  if isinstance(key, (tuple, list, np.ndarray)):
+    return prompt_key(key)
+  return key
 
 
 @dataclasses.dataclass
@@ -54,7 +66,8 @@ def _check_key(key: Hashable, where: str) -> None:
 
 
 class HistoryStore:
-  """Past responses per prompt key, last `epochs_kept` epochs, LRU-bounded to `max_tokens`."""
+  """Past responses per prompt key, last `epochs_kept` epochs, bounded to `max_tokens` (the
+  least recently recorded prompts evicted first)."""
 
   def __init__(self, epochs_kept: int = 1, max_tokens: int = 50_000_000):
     if epochs_kept < 1:
@@ -64,7 +77,7 @@ class HistoryStore:
     self.epochs_kept = int(epochs_kept)
     self.max_tokens = int(max_tokens)
     self._entries: collections.OrderedDict[Hashable, list[EpochGroup]] = (
-        collections.OrderedDict())  # oldest use first
+        collections.OrderedDict())  # least recently recorded first
     self._versions: dict[Hashable, int] = {}
     # Changes whenever any key's content does (add, eviction, reload): lets a caller skip
     # per-key version checks while nothing changed.
@@ -79,7 +92,7 @@ class HistoryStore:
     return key in self._entries
 
   def keys(self) -> list[Hashable]:
-    """Keys from least to most recently used."""
+    """Keys from least to most recently recorded (the eviction order)."""
     return list(self._entries)
 
   def add_group(self, key: Hashable, epoch: int, responses: Sequence[Sequence[int]],
@@ -121,11 +134,8 @@ class HistoryStore:
       self.evictions += 1
 
   def get(self, key: Hashable) -> list[EpochGroup] | None:
-    """The kept epochs of a prompt, oldest first (marks it recently used), or None."""
-    groups = self._entries.get(key)
-    if groups is not None:
-      self._entries.move_to_end(key)
-    return groups
+    """The kept epochs of a prompt, oldest first, or None (a read: the eviction order stays)."""
+    return self._entries.get(key)
 
   def responses(self, key: Hashable) -> list[np.ndarray]:
     """All kept responses of a prompt (oldest epoch first); [] when unknown."""
@@ -138,7 +148,7 @@ class HistoryStore:
 
   def predicted_length(self, key: Hashable) -> tuple[float, int] | None:
     """(mean, max) response length of the prompt's latest epoch, or None without history."""
-    groups = self._entries.get(key)  # a scheduling look-up does not count as a use
+    groups = self._entries.get(key)
     if not groups or not groups[-1].responses:
       return None
     lengths = groups[-1].lengths
@@ -146,13 +156,14 @@ class HistoryStore:
 
   def epoch_lengths(self, key: Hashable) -> list[tuple[int, np.ndarray]]:
     """(epoch, int64[n] response lengths) per kept epoch of a prompt, oldest first; [] when
-    unknown. What the length predictor (scheduling/) reads; does not mark the key used."""
+    unknown. What the length predictor (scheduling/) reads."""
     return [(g.epoch, g.lengths) for g in self._entries.get(key) or () if g.responses]
 
   # --- checkpointing -----------------------------------------------------------------------
 
   def state_dict(self) -> dict:
-    """Flat numpy arrays + a JSON string, in LRU order; `load_state_dict` restores it exactly."""
+    """Flat numpy arrays + a JSON string, in eviction order; `load_state_dict` restores it
+    exactly."""
     keys, tokens, lengths, rewards, epochs, key_ids = [], [], [], [], [], []
     for i, (key, groups) in enumerate(self._entries.items()):
       keys.append(["s", key] if isinstance(key, str) else ["i", int(key)])

@@ -30,6 +30,7 @@ from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from rhyme_jax.history.store import store_key
 from rhyme_jax.scheduling.predictor import LengthPredictor
 
 # history_residual ranks remaining work by this quantile (ResidualPolicy; None: the mean)
@@ -52,8 +53,9 @@ class RequestMeta:
 
   @classmethod
   def from_request(cls, req, index: int) -> "RequestMeta":
-    """From a `rollout.engine.Request` (prompt_key defaults to the prompt tokens, as there)."""
-    key = req.prompt_key if req.prompt_key is not None else tuple(int(t) for t in req.prompt)
+    """From a `rollout.engine.Request`: prompt_key defaults to the prompt tokens, as there, and
+    is the history store's key for it (`history.store.store_key`), as the drafter records it."""
+    key = store_key(req.prompt_key if req.prompt_key is not None else req.prompt)
     group = req.group_id if req.group_id is not None else req.request_id
     return cls(int(req.request_id), group, key, int(index),
                int(req.params.max_new_tokens), len(req.prompt))

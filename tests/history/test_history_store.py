@@ -1,4 +1,5 @@
-"""History store: keys, epochs kept, length prediction, LRU eviction, checkpoint round trip."""
+"""History store: keys, epochs kept, length prediction, eviction by recording order, checkpoint
+round trip."""
 
 import json
 
@@ -32,19 +33,20 @@ def test_epochs_kept_and_predicted_length():
   assert [len(r) for r in store.responses("p")] == [10, 20, 3]
   store.add_group("q", 0, [[1] * 5])
   assert store.keys() == ["p", "q"]
-  lengths = store.epoch_lengths("p")  # what scheduling reads; not a use (LRU order kept)
+  lengths = store.epoch_lengths("p")  # what scheduling reads; the order stays
   assert [e for e, _ in lengths] == [1, 2] and [l.tolist() for _, l in lengths] == [[10, 20], [3]]
   assert store.keys() == ["p", "q"] and store.epoch_lengths("missing") == []
 
 
-def test_lru_eviction_by_tokens():
+def test_eviction_by_tokens_least_recently_recorded_first():
   store = HistoryStore(max_tokens=30)
   store.add_group("a", 0, [[0] * 10])
   store.add_group("b", 0, [[0] * 10])
   store.add_group(7, 0, [[0] * 10])
-  assert store.get("a") is not None  # "a" is now the most recently used; "b" the least
+  assert store.get("a") is not None and store.responses("a")  # reads: the order stays
+  store.add_group("b", 1, [[0] * 10])  # recorded again: "b" moves last, "a" is the oldest
   store.add_group("d", 0, [[0] * 5])
-  assert store.keys() == [7, "a", "d"] and store.num_tokens == 25 and store.evictions == 1
+  assert store.keys() == [7, "b", "d"] and store.num_tokens == 25 and store.evictions == 1
   store.add_group("big", 0, [[0] * 100])  # alone above the bound: kept, everything else goes
   assert store.keys() == ["big"] and store.num_tokens == 100
   assert store.version("a") is None
@@ -91,7 +93,7 @@ def test_state_round_trip(groups, epochs_kept, max_tokens):
   assert all(isinstance(v, np.ndarray) for k, v in state.items() if k != "meta_json")
   restored = HistoryStore()
   restored.load_state_dict(state)
-  assert restored.keys() == store.keys()  # LRU order included
+  assert restored.keys() == store.keys()  # eviction order included
   assert (restored.epochs_kept, restored.max_tokens, restored.num_tokens) == (
       store.epochs_kept, store.max_tokens, store.num_tokens)
   for key in store.keys():
@@ -103,3 +105,23 @@ def test_state_round_trip(groups, epochs_kept, max_tokens):
         np.testing.assert_array_equal(ra, rb)
       np.testing.assert_array_equal(ga.rewards, gb.rewards)
     assert store.predicted_length(key) == restored.predicted_length(key)
+
+
+def test_hosts_that_draft_different_prompts_keep_identical_stores():
+  """Every host of a pod records the same groups in the same order, but drafts (reads) only
+  its own prompts: the stores, and the host plan derived from them, must stay identical (a
+  read that moved a prompt in the eviction order made the hosts evict different prompts)."""
+  from rhyme_jax.scheduling.assignment import plan_hosts
+  from rhyme_jax.scheduling.predictor import LengthPredictor, StoreLengths
+  stores = [HistoryStore(max_tokens=8 * 100) for _ in range(2)]
+  for store in stores:
+    for i, n in enumerate([10, 20, 30, 40]):
+      store.add_group(f"k{i}", 0, [[1] * n] * 8)
+  stores[1].get("k0")  # host 1 alone drafts prompt k0
+  stores[1].responses("k1")
+  for store in stores:
+    store.add_group("k4", 0, [[1] * 10] * 8)  # the same record on both: one eviction
+  assert stores[0].keys() == stores[1].keys() == ["k1", "k2", "k3", "k4"]
+  plans = [plan_hosts(["k0", "k1", "k2", "k3"], 8, LengthPredictor(StoreLengths(s)), 2)[0]
+           for s in stores]
+  assert plans[0] == plans[1]

@@ -98,7 +98,16 @@ def test_meta_from_the_engine_request_and_bad_names():
           Request(8, [4, 5], SamplingParams(max_new_tokens=9))]
   a, b = metas_from_requests(reqs)
   assert a == RequestMeta(7, "g", "k", 0, 33, 3)
-  assert b.prompt_key == (4, 5) and b.group_id == 8 and b.index == 1
+  assert b.group_id == 8 and b.index == 1
+  # Without a prompt_key a request is known by its tokens, under the key the drafter records
+  # them by: the predictor finds their history (it predicted every such request as unknown).
+  from rhyme_jax.history.store import HistoryStore, prompt_key, store_key
+  from rhyme_jax.scheduling.predictor import LengthPredictor, Prediction, StoreLengths
+  assert b.prompt_key == prompt_key([4, 5]) == store_key((4, 5))
+  store = HistoryStore()
+  store.add_group(store_key((4, 5)), 0, [[1] * 40, [1] * 50])
+  store.add_group("k", 0, [[1] * 10] * 2)
+  assert LengthPredictor(StoreLengths(store)).predict(b.prompt_key) == Prediction(45.0, True)
   with pytest.raises(ValueError, match="needs a length predictor"):
     make_policy("history")
   with pytest.raises(ValueError, match="needs the true lengths"):
