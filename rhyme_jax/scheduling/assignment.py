@@ -36,6 +36,8 @@ def lpt_assign(work: Sequence[int], num_shards: int, index: Sequence[int] | None
   is a function of (work, data order, num_shards) alone.
   """
   work = np.asarray(work)
+  if work.size == 0:  # np.asarray([]) is float64: no jobs, nothing to check
+    work = work.astype(np.int64)
   if work.ndim != 1:
     raise ValueError(f"lpt_assign: work must be 1-D, got shape {work.shape}")
   if not np.issubdtype(work.dtype, np.integer):

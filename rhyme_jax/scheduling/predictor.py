@@ -6,8 +6,8 @@ grow or shrink as the policy trains). So the predictor works in ranks: for each 
 turns a prompt's group statistic (mean / max / a quantile of its G lengths) into a quantile rank
 among all prompts seen in that epoch, averages the ranks over the kept epochs (recent epochs
 weigh more), and maps the rank back to tokens through the newest epoch's distribution (the
-newest that holds two or more prompts). With one epoch kept this is that epoch's statistic
-itself.
+newest holding at least half as many prompts as the largest: `mapping_epoch`). A prompt whose
+one kept epoch is the newest gets that epoch's statistic itself.
 
 Lengths come from a `LengthSource`: `StoreLengths` reads a `history.store.HistoryStore`,
 `LengthTable` holds lengths alone (simulator, tests, or a trainer that keeps no responses).
@@ -71,8 +71,7 @@ class LengthTable:
 
 
 class StoreLengths:
-  """A `LengthSource` over a `history.store.HistoryStore` (`store.epoch_lengths`, which leaves
-  the store's LRU order alone: a scheduling look-up is not a use)."""
+  """A `LengthSource` over a `history.store.HistoryStore` (`store.epoch_lengths`)."""
 
   def __init__(self, store):
     self.store = store
@@ -115,6 +114,17 @@ def _quantile_rank(values: np.ndarray, x: float) -> float:
     a, b = values[lo - 1], values[lo]
     return float((lo - 1 + (x - a) / (b - a)) / (len(values) - 1))
   return float((lo + hi - 1) / 2 / (len(values) - 1))
+
+
+def mapping_epoch(populations: Mapping[int, np.ndarray]) -> int:
+  """The epoch whose lengths ranks map back to tokens through: the newest holding at least
+  half as many prompts as the largest. The newest epoch alone tracks drift best, but a step
+  into an epoch it holds a step's prompts or fewer (with one epoch kept the previous epoch
+  shrinks as it grows), and mapping through two or three group statistics squeezed every
+  prediction onto a line between them, or onto one value where they were equal (two capped
+  groups): LPT then dealt equal work round-robin and orders fell back to data order."""
+  largest = max(len(v) for v in populations.values())
+  return max(e for e, v in populations.items() if 2 * len(v) >= largest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +189,7 @@ class LengthPredictor:
     pops = self._populations()
     if not pops:
       return Prediction(0.0, False)
-    # Ranks map back to tokens through the newest epoch that can hold a rank: a population of
-    # one prompt (one step into an epoch of one-prompt steps) would give every prompt its value.
-    newest = pops[max((e for e, v in pops.items() if len(v) >= 2), default=max(pops))]
+    newest = pops[mapping_epoch(pops)]
     history = [(e, l) for e, l in self.source.epoch_lengths(key) if len(l)]
     if not history:
       return Prediction(float(np.median(newest)), False)

@@ -143,3 +143,11 @@ def test_plan_hosts_balances_a_round_and_deals_round_robin_without_history():
   hosts, work = plan_hosts(keys[:6], 4, LengthPredictor(LengthTable()), 2)
   assert hosts == [[0, 2, 4], [1, 3, 5]]
   assert (work > 0).all()
+
+
+def test_no_jobs_assign_nothing():
+  """An empty step (a Python list, which numpy reads as float64) is no jobs, not a type error."""
+  assert lpt_assign([], 2).tolist() == [] and lpt_assign([], 2).dtype == np.int64
+  assert assign_groups([], [], 2) == {}
+  with pytest.raises(TypeError, match="work must be integers"):
+    lpt_assign([1.5], 2)

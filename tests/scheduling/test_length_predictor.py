@@ -87,7 +87,7 @@ def test_two_epochs_rank_better_than_one_on_noisy_synthetic_histories():
   assert rho["two"] > rho["one"] + 0.02
 
 
-def test_store_adapter_matches_a_length_table_and_leaves_lru_order_alone():
+def test_store_adapter_matches_a_length_table_and_leaves_the_eviction_order_alone():
   store, table = HistoryStore(epochs_kept=2), LengthTable(epochs_kept=2)
   rng = np.random.default_rng(1)
   for epoch in range(3):
@@ -95,12 +95,12 @@ def test_store_adapter_matches_a_length_table_and_leaves_lru_order_alone():
       responses = [rng.integers(0, 50, size=int(n)) for n in rng.integers(1, 40, size=4)]
       store.add_group(key, epoch, responses)
       table.add(key, epoch, [len(r) for r in responses])
-  lru = store.keys()
+  order = store.keys()
   a, b = LengthPredictor(StoreLengths(store), "max"), LengthPredictor(table, "max")
   for key in ["p", "q", "r", "zz"]:
     assert a.predict(key) == b.predict(key)
     assert a.remaining_tokens(key, 5, 64) == b.remaining_tokens(key, 5, 64)
-  assert store.keys() == lru
+  assert store.keys() == order
 
 
 def test_caches_follow_the_store_without_refresh_and_a_plain_source_until_refresh():
@@ -276,3 +276,29 @@ def test_remaining_quantile_matches_a_weighted_quantile_of_the_mixture():
                                if w >= q - 1e-12), room))
           got = pred.remaining_quantile(key, n, 80, q)
           assert got == want, (key, n, q, got, want)
+
+
+def test_a_few_prompts_into_an_epoch_do_not_map_every_rank():
+  """One epoch kept: a step into epoch 1, two prompts revisited (both groups at the cap) hold
+  epoch 1 while epoch 0 still holds the other eight. Ranks map through epoch 0 until epoch 1
+  holds half as many prompts as it, so the unrevisited prompts keep distinct predictions and
+  LPT keeps the longest apart (mapped through the two capped groups every prediction was
+  3000, and LPT dealt the six round-robin)."""
+  from rhyme_jax.scheduling.assignment import plan_hosts
+  from rhyme_jax.scheduling.predictor import mapping_epoch
+  table = LengthTable(epochs_kept=1)
+  for i, n in enumerate([50, 100, 200, 400, 800, 1600, 3000, 3000, 3000, 3000]):
+    table.add(f"p{i}", 0, [n] * 8)
+  pred = LengthPredictor(table, "mean")
+  keys = [f"p{i}" for i in range(6)]
+  before = plan_hosts(keys, 8, pred, 2)[0]
+  for i in (6, 7):
+    table.add(f"p{i}", 1, [3000] * 8)
+  assert mapping_epoch(pred._populations()) == 0
+  assert [pred.predict(k).length for k in keys] == [50, 100, 200, 400, 800, 1600]
+  assert plan_hosts(keys, 8, pred, 2)[0] == before == [[5], [0, 1, 2, 3, 4]]
+  for i in (8, 9, 0):  # epoch 1 now holds 5 prompts, epoch 0 five: epoch 1 maps
+    table.add(f"p{i}", 1, [3000 - 100 * i] * 8)
+  assert mapping_epoch(pred._populations()) == 1
+  assert mapping_epoch({0: np.arange(9.0), 1: np.arange(4.0)}) == 0
+  assert mapping_epoch({0: np.arange(8.0), 1: np.arange(4.0)}) == 1
