@@ -54,6 +54,12 @@ RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "ru
                      "rollout.divide_every", "rollout.park_rows", "rollout.compile_threads",
                      "rollout.multi_step", "rollout.balance_hosts",
                      "distributed")
+# Of those, the ones every process of a run must share (multihost.check_agree at start-up):
+# they decide which collectives a step enters and how the prompt stream is split. The others
+# change what one host's engine does, never what any host samples or exchanges.
+LOCKSTEP_FIELDS = ("run.num_steps", "run.run_dir", "run.checkpoint_every",
+                   "run.keep_checkpoints", "run.eval_every", "run.eval_size", "run.log_every",
+                   "rollout.balance_hosts")
 
 
 class ConfigError(ValueError):

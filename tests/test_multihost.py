@@ -79,6 +79,11 @@ def _child(index: int, port: int) -> dict:
   report["gathered"] = multihost.allgather_json(mine)
   report["any"] = [multihost.any_process(index == 1), multihost.any_process(False)]
   report["max"] = multihost.max_over_processes(5 - index * 3)
+  multihost.check_agree({"num_steps": 10, "run_dir": "runs/x"})  # the same everywhere: passes
+  try:
+    multihost.check_agree({"num_steps": 10, "balance_hosts": index == 1})
+  except ValueError as e:
+    report["disagree"] = str(e)
   return report
 
 
@@ -127,6 +132,9 @@ def test_two_processes():
     assert r["gathered"] == [{"i": 0, "text": "x" * 10, "f": 0.1},
                              {"i": 1, "text": "x" * 510, "f": 0.1 + 1 / 3}]
     assert r["any"] == [True, False] and r["max"] == 5
+    # Every process names the same flag (each raises, none waits in a later collective).
+    assert r["disagree"] == ("--balance_hosts: processes of one run must pass the same value "
+                             "(process 0: False, process 1: True)")
 
 
 def test_one_process_is_the_identity():
@@ -141,6 +149,7 @@ def test_one_process_is_the_identity():
   assert multihost.allgather_json({"a": [1]}) == [{"a": [1]}]
   assert multihost.any_process(True) and not multihost.any_process(False)
   assert multihost.max_over_processes(4) == 4
+  multihost.check_agree({"balance_hosts": True})  # nothing to disagree with
 
 
 if __name__ == "__main__" and sys.argv[1] == "--child":

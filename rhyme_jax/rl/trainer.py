@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import signal
 import sys
 import threading
@@ -47,7 +48,8 @@ from rhyme_jax import checkpoint as ckpt_lib
 from rhyme_jax import metrics as metrics_lib
 from rhyme_jax import multihost, parallel
 from rhyme_jax import run_config
-from rhyme_jax.config import RESUMABLE_CHANGES, Config, ConfigError, ids_per_step
+from rhyme_jax.config import (LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config, ConfigError,
+                              ids_per_step)
 from rhyme_jax.data.datasets import Example, load_examples
 from rhyme_jax.data.pipeline import PromptPipeline
 from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template, render_prompt
@@ -176,6 +178,11 @@ class Trainer:
     d = c.distributed
     parallel.maybe_initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    try:  # before anything is written: a mismatch would hang or mix hosts' data later
+      multihost.check_agree({f.split(".")[-1]: operator.attrgetter(f)(c)
+                             for f in LOCKSTEP_FIELDS})
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
     self.mesh = _mesh(c)
     self.tokenizer, self.template = inputs.tokenizer, inputs.template
     self.eval_examples = inputs.eval_examples
