@@ -97,7 +97,9 @@ class HistoryStore:
 
   def add_group(self, key: Hashable, epoch: int, responses: Sequence[Sequence[int]],
                 rewards: Sequence[float] | None = None) -> None:
-    """Records a prompt's group for `epoch` (appended if that epoch already has one)."""
+    """Records a prompt's group for `epoch` (appended if that epoch already has one). A group
+    of no responses records nothing: an empty epoch would push an older one out of the kept
+    epochs, and `state_dict`, which holds responses, could not bring it back on resume."""
     _check_key(key, "HistoryStore.add_group")
     resp = [np.asarray(r, np.int32).reshape(-1).copy() for r in responses]
     if rewards is None:
@@ -107,6 +109,8 @@ class HistoryStore:
       if len(rew) != len(resp):
         raise ValueError(f"HistoryStore.add_group: {len(resp)} responses but {len(rew)} rewards "
                          f"for key {key!r}")
+    if not resp:
+      return
     groups = self._entries.pop(key, [])
     self.num_tokens -= sum(g.num_tokens for g in groups)
     same = [g for g in groups if g.epoch == int(epoch)]

@@ -172,18 +172,33 @@ class ContextAwarePolicy:
   def next_to_admit(self, queue, finished, live) -> int:
     if not queue:
       raise IndexError(f"{self.name}.next_to_admit: empty queue")
-    for rid in list(finished) + list(live):
-      if rid in self._group:
-        self._started.add(self._group[rid])
-    probes = [i for i, m in enumerate(queue) if m.group_id not in self._started]
-    if probes:
-      best = min(probes, key=lambda i: (-self._prior.get(queue[i].group_id, 0.0), queue[i].index))
-    else:
-      est = self.group_estimates(finished, live)
-      best = min(range(len(queue)), key=lambda i: (-est.get(queue[i].group_id, 0.0),
-                                                   queue[i].index))
-    self._started.add(queue[best].group_id)
+    self._started |= self._seen(finished, live)
+    best = self._pick(queue, finished, live, self._started)
+    self._started.add(queue[best].group_id)  # admitted: its siblings are no longer probes
     return best
+
+  def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
+    """Whether a running request gives its slot to the queued one this order would pick over
+    the queue plus it (divided rollout). Asks without admitting: the generic rule's
+    `next_to_admit` would mark a probe started per running request asked, so one pass of yields
+    used up the probes it yielded for and the freed slots went back to the yielded requests."""
+    del chunk
+    started = self._started | self._seen(finished, live)
+    return lambda running: self._pick([*queue, running], finished, live, started) != len(queue)
+
+  def _seen(self, finished, live) -> set:
+    """Groups with a finished or running (started) request of this order's rollout."""
+    return {self._group[rid] for rid in (*finished, *live) if rid in self._group}
+
+  def _pick(self, queue, finished, live, started) -> int:
+    """The index in `queue` admitted next given the `started` groups (no state changes)."""
+    probes = [i for i, m in enumerate(queue) if m.group_id not in started]
+    if probes:
+      return min(probes, key=lambda i: (-self._prior.get(queue[i].group_id, 0.0),
+                                        queue[i].index))
+    est = self.group_estimates(finished, live)
+    return min(range(len(queue)), key=lambda i: (-est.get(queue[i].group_id, 0.0),
+                                                 queue[i].index))
 
 
 class ResidualPolicy:

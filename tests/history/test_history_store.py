@@ -125,3 +125,20 @@ def test_hosts_that_draft_different_prompts_keep_identical_stores():
   plans = [plan_hosts(["k0", "k1", "k2", "k3"], 8, LengthPredictor(StoreLengths(s)), 2)[0]
            for s in stores]
   assert plans[0] == plans[1]
+
+
+def test_an_empty_group_records_nothing_and_resumes_alike():
+  """A group of no responses keeps no epoch: it would push an older epoch out, and a store
+  reloaded from its `state_dict` (which holds responses) would keep that epoch instead."""
+  store = HistoryStore(epochs_kept=2)
+  store.add_group("x", 0, [[1] * 10] * 2)
+  store.add_group("x", 1, [])
+  assert [e for e, _ in store.epoch_lengths("x")] == [0] and len(store.get("x")) == 1
+  restored = HistoryStore()
+  restored.load_state_dict(store.state_dict())
+  for s in (store, restored):
+    s.add_group("x", 2, [[1] * 60] * 2)
+  assert store.epoch_lengths("x")[0][0] == restored.epoch_lengths("x")[0][0] == 0
+  assert [e for e, _ in store.epoch_lengths("x")] == [e for e, _ in restored.epoch_lengths("x")]
+  with pytest.raises(ValueError, match="0 responses but 1 rewards"):
+    store.add_group("x", 3, [], [1.0])

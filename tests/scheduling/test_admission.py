@@ -116,3 +116,26 @@ def test_meta_from_the_engine_request_and_bad_names():
     make_policy("lifo")
   with pytest.raises(IndexError, match="empty queue"):
     make_policy("fifo").next_to_admit([], {}, {})
+
+
+def test_probe_first_yield_rule_asks_without_admitting():
+  """Divided rollout with probe-first: groups A and B run one sample each (300 and 280 tokens),
+  C and D have not started. Both running requests yield, one for each unprobed group, and the
+  freed slots then probe C and D. (The generic rule asked `next_to_admit`, which marked a
+  group started per request asked: after the two asks no probe was left, and the first freed
+  slot went back to request 0, which had just yielded.)"""
+  from rhyme_jax.rollout.interface import yield_rule
+  metas = [RequestMeta(rid, g, g, rid, 512) for rid, g in enumerate("AABBCCDD")]
+  policy = ContextAwarePolicy()
+  policy.order(metas)
+  live, finished = {0: 300, 2: 280}, {}
+  queue = [metas[i] for i in (1, 3, 4, 5, 6, 7)]
+  rule = yield_rule(policy, queue, finished, live, 16)
+  assert rule(metas[0]) and rule(metas[2])
+  assert policy._started == set()  # asking admitted nothing
+  queue += [metas[0], metas[2]]  # both yielded: back in the queue, tokens so far kept
+  picks = [queue.pop(policy.next_to_admit(queue, finished, live)).request_id for _ in range(2)]
+  assert picks == [4, 6]  # the probes of C and D
+  # Once every group has started, a running request yields only to a longer group's sibling.
+  rule = yield_rule(policy, queue, finished, {0: 300, 2: 280, 4: 5, 6: 400}, 16)
+  assert not rule(metas[6]) and rule(metas[4])
