@@ -53,14 +53,14 @@ def test_ranks_carry_an_old_epoch_into_the_newest_epoch_scale():
 def test_a_one_prompt_newest_epoch_does_not_flatten_the_ranks():
   # One step into a new epoch of one-prompt steps: the newest population is that one prompt.
   # Mapped through it, every prompt would predict its length (data order); the ranks go
-  # through the newest epoch that holds two or more prompts instead.
+  # through the newest epoch holding at least half as many prompts as the largest instead.
   table = LengthTable(epochs_kept=1)
   for key, lengths in [("a", [10, 12]), ("b", [50, 60]), ("c", [30, 30])]:
     table.add(key, 0, lengths)
   table.add("d", 1, [20, 22])
   pred = LengthPredictor(table)
   assert [pred.predict(k).length for k in "abcd"] == pytest.approx([11, 55, 30, 21])
-  table.add("e", 1, [40, 40])  # two prompts in the newest epoch: ranks map through it again
+  table.add("e", 1, [40, 40])  # two prompts in the newest epoch, three in the old: it maps
   assert pred.predict("a").length == pytest.approx(21) and pred.predict("b").length == 40
 
 
