@@ -35,7 +35,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from rhyme_jax.history import arena as arena_lib, fast_draft, match_tree
-from rhyme_jax.history.store import HistoryStore, store_key  # noqa: F401  (re-exported)
+from rhyme_jax.history.store import HistoryStore, store_key
 from rhyme_jax.rollout.drafts import DraftBatch, DraftQuery, DraftTree
 
 START = arena_lib.START  # sentinel opening every indexed response (never drafted)

@@ -340,10 +340,11 @@ class RolloutEngine:
     state live in loop.Rollout; `stats` holds this call's counters.
     """
     rollout = loop.Rollout(self, requests, admission)
-    if self.warmed and rollout.filters not in self.warmed:
+    need = rollout.filters
+    if self.warmed and need not in self.warmed:
       absl_logging.warning(
           "generate: these requests %s top-p / top-k, but warm-up compiled steps only for "
           "requests that %s; each step shape compiles inside this rollout (call "
-          "warmup(filters=%s) first)", *(("use", "do not", True) if rollout.filters
-                                         else ("do not use", "do", False)))
+          "warmup(filters=%s) first)", "use" if need else "do not use",
+          "do not" if need else "do", need)
     return rollout.run()

@@ -44,7 +44,9 @@ class AdmissionOrder(Protocol):
   `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. by
   expected remaining work, as history_residual does), and `yield_rule(queue, finished, live,
   chunk)` returning that decision for every running request of one pass (the queue unchanged),
-  so its work over the queue is done once per pass. Orders without `online` are static.
+  so its work over the queue is done once per pass. Such an ask is hypothetical: an order
+  whose `next_to_admit` records the pick as admitted (probe-first marks the group started)
+  must define one of those two, or each ask would admit. Orders without `online` are static.
 
   An online order whose rule reads nothing that changes while the queue, `finished` and the
   number of live requests stay as they are (a running request's count it reads from `live`
