@@ -223,16 +223,17 @@ class YieldRules:
   def __init__(self, admission, finished: dict, live: dict, every: int):
     self._args = (admission, finished, live, every)
     self._keep = bool(getattr(admission, "stable_rule", False))
-    self._rule = None
+    self._rule, self._free = None, 0
     self.built = 0  # rules built (tests and benches count them)
 
   def changed(self) -> None:
     self._rule = None
 
-  def get(self, queue) -> Callable[[Any], bool]:
-    if self._rule is None or not self._keep:
+  def get(self, queue, free: int) -> Callable[[Any], bool]:
+    """The rule for a pass with `free` empty slots (the order's first picks fill them)."""
+    if self._rule is None or not self._keep or free != self._free:
       admission, finished, live, every = self._args
-      self._rule = yield_rule(admission, queue, finished, live, every)
+      self._rule, self._free = yield_rule(admission, queue, finished, live, every, free), free
       self.built += 1
     return self._rule
 
@@ -242,9 +243,10 @@ def slots_to_yield(slots, queue, rules: YieldRules, every: int, room: int) -> li
 
   A request is asked once per `every` tokens it generates in a slot (`LiveRequest.since` marks
   the last time). The order decides for all requests asked in one pass, the queue standing
-  (`rules`: an order with its own `yield_rule` finds its queued pick once per rule, not once
-  per running request). Only while more requests wait than slots free up, so a yield never
-  leaves a slot empty for lack of work.
+  (`rules`: an order with its own `yield_rule` finds its queued picks once per rule, not once
+  per running request); the empty slots take its first picks, and each request that yields
+  gives way to the next (`interface.yield_rule`). Only while more requests wait than slots
+  free up, so a yield never leaves a slot empty for lack of work.
   """
   out: list[int] = []
   free = sum(lv is None for lv in slots)
@@ -256,7 +258,7 @@ def slots_to_yield(slots, queue, rules: YieldRules, every: int, room: int) -> li
       continue
     lv.since = len(lv.tokens)
     if rule is None:
-      rule = rules.get(queue)
+      rule = rules.get(queue, free)
     if rule(lv.req):
       out.append(i)
   return out

@@ -43,8 +43,10 @@ class AdmissionOrder(Protocol):
   yield its slot and rejoin the queue (its KV parked). An online order may instead define
   `should_yield(queue, running, finished, live, chunk) -> bool` for that decision (e.g. by
   expected remaining work, as history_residual does), and `yield_rule(queue, finished, live,
-  chunk)` returning that decision for every running request of one pass (the queue unchanged),
-  so its work over the queue is done once per pass. Such an ask is hypothetical: an order
+  chunk, free=0)` returning that decision for the running requests of one pass (the queue
+  unchanged), so its work over the queue is done once per pass; a yes hands that request's
+  slot to the order's next pick, after the `free` ones the empty slots take (`yield_rule`
+  below). Such an ask is hypothetical: an order
   whose `next_to_admit` records the pick as admitted (probe-first marks the group started)
   must define one of those two, or each ask would admit. Orders without `online` are static.
 
@@ -63,19 +65,38 @@ class AdmissionOrder(Protocol):
 
 
 def yield_rule(order, queue: Sequence, finished: Mapping[int, int], live: Mapping[int, int],
-               chunk: int):
+               chunk: int, free: int = 0):
   """Whether an online `order` (an `AdmissionOrder`, or scheduling's `AdmissionPolicy`, which
   speaks the same methods) gives a running request's slot to one of `queue` (divided rollout),
-  as a function of the running request, for every one asked while `queue`, `finished` and
-  `live` stay as they are: the order's own `yield_rule` or `should_yield` where it has one,
-  else whether `next_to_admit`, offered the queue plus the running request, picks another.
-  The engine (rollout/divided.py) and the simulator both decide through this."""
+  as a function of the running request, for those asked in one pass while `queue`, `finished`
+  and `live` stay as they are. The queued requests are handed out in the order's picks: the
+  first `free` fill the empty slots, and each running request that yields takes the next, so
+  the j-th to yield gives way to the (free + j)-th pick, never all of them to the one best
+  (which took one slot and handed the others straight back, two KV row copies per round
+  trip). The order's own `yield_rule` where it has one, else `should_yield` against the rest
+  of the queue, else whether `next_to_admit`, offered the rest plus the running request, picks
+  another. The engine (rollout/divided.py) and the simulator both decide through this."""
   if hasattr(order, "yield_rule"):
-    return order.yield_rule(queue, finished, live, chunk)
+    return order.yield_rule(queue, finished, live, chunk, free=free)
+  rest = list(queue)
+  pick = lambda: order.next_to_admit(rest, finished, live)
+  for _ in range(min(free, len(rest))):
+    rest.pop(pick())
   if hasattr(order, "should_yield"):
-    return lambda running: order.should_yield(queue, running, finished, live, chunk)
-  return lambda running: order.next_to_admit(list(queue) + [running], finished,
-                                             live) != len(queue)
+    def rule(running) -> bool:
+      if not rest or not order.should_yield(rest, running, finished, live, chunk):
+        return False
+      rest.pop(pick())
+      return True
+    return rule
+
+  def rule(running) -> bool:
+    k = order.next_to_admit([*rest, running], finished, live) if rest else 0
+    if k == len(rest):
+      return False
+    rest.pop(k)
+    return True
+  return rule
 
 
 @dataclasses.dataclass

@@ -11,11 +11,10 @@ How an engine uses a policy (the rollout engine through `engine_order.EngineOrde
   while a slot is free and queue:                   # each time slots free up
     i = policy.next_to_admit(queue, finished, live)  # finished: {request_id: length},
     meta = queue.pop(i)                             # live: {request_id: tokens so far}
-Static policies (`online = False`) always return 0 from an ordered queue, so the engine may pop
-from the front; online ones re-rank as siblings finish (probe-first) or as yielded requests
-rejoin the queue in divided rollout (history_residual: longest remaining work first,
-`ResidualPolicy`; the rollout engine's rollout/divided.py and the simulator ask its
-`should_yield`). A policy assumes the request it returns is admitted.
+Static policies (`online = False`) always return 0 from an ordered queue; online ones re-rank
+as siblings finish (probe-first) or as yielded requests rejoin the queue in divided rollout
+(history_residual, `ResidualPolicy`; rollout/divided.py and the simulator ask its
+`yield_rule`). A policy assumes the request it returns is admitted.
 
 HistoPipe's cross-step alternation: `predicted_policy(predictor, step=k, alternate=True)` orders
 long->short on even steps and short->long on odd ones, so that when rollout and training
@@ -25,6 +24,7 @@ overlap a worker slowed by long work at the end of one step starts the next with
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
@@ -177,14 +177,23 @@ class ContextAwarePolicy:
     self._started.add(queue[best].group_id)  # admitted: its siblings are no longer probes
     return best
 
-  def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
-    """Whether a running request gives its slot to the queued one this order would pick over
-    the queue plus it (divided rollout). Asks without admitting: the generic rule's
+  def yield_rule(self, queue, finished, live, chunk: int,
+                 free: int = 0) -> Callable[[RequestMeta], bool]:
+    """Whether a running request gives its slot to the next queued pick, as this order would
+    pick over the rest of the queue plus it (divided rollout): the first `free` picks fill the
+    empty slots, each yes hands the next one on. Asks without admitting: the generic rule's
     `next_to_admit` would mark a probe started per running request asked, so one pass of yields
     used up the probes it yielded for and the freed slots went back to the yielded requests."""
     del chunk
-    started = self._started | self._seen(finished, live)
-    return lambda running: self._pick([*queue, running], finished, live, started) != len(queue)
+    started, rest = self._started | self._seen(finished, live), list(queue)
+
+    def take(k: int) -> bool:
+      started.add(rest.pop(k).group_id)  # as admitting it would: its siblings are no probes
+      return True
+    for _ in range(min(free, len(rest))):
+      take(self._pick(rest, finished, live, started))
+    return lambda running: bool(rest) and (
+        (k := self._pick([*rest, running], finished, live, started)) != len(rest)) and take(k)
 
   def _seen(self, finished, live) -> set:
     """Groups with a finished or running (started) request of this order's rollout."""
@@ -214,32 +223,26 @@ class ResidualPolicy:
   `quantile` (default 0.75): rank by that quantile of the same remaining-length distribution
   (`LengthPredictor.remaining_quantile`), ties by its mean. A makespan is the latest start +
   length, so a prompt whose samples may run to the cap must start early even when its mean is
-  short; the mean averages that risk away and admits such a sample last. In the simulator, on
-  the recorded H200 GRPO trace at 64 slots (44% of responses at the cap) the upper quartile
-  finished at 0.910 of the oracle's makespan against the mean's 0.975 and cut the tail vs
-  FIFO by 76% where the mean tripled it; on the GSM8K traces at 32 slots it is within 0.005 of
-  the mean (bench/RESULTS.md, 2026-11-27). None: the mean, which at n = 0 is the prompt's
-  mean history length, so without divided rollout it orders as "history" does.
+  short; the mean averages that risk away and admits such a sample last (on the recorded H200
+  GRPO trace at 64 slots, 44% of responses at the cap, the upper quartile's makespan was 0.910
+  of the oracle's against the mean's 0.975: bench/RESULTS.md, 2026-11-27). None: the mean,
+  which at n = 0 is the prompt's mean history length (without divided rollout, as "history").
 
   Ranking unstarted requests (a fresh E[L] each) against yielded ones starts nearly all of
   them early, so their KV is kept for more sequences than rows. `kv_budget` caps the started
   and unfinished requests (the KV pool's capacity): at the cap only started requests resume.
 
   A yield is not free: two KV row copies and their dispatch, `yield_cost` decode steps of the
-  batch (measured at the engine's warm-up: `set_yield_cost`). Pure LRPT swaps requests of
-  near-equal expected work every chunk, which on a GPU cost more than the tail it cut
-  (bench/RESULTS.md, H200). So a running request yields only to a margin m more remaining
-  work: the W tokens of expected work still to generate make about W / (m + chunk) yields of
-  Y steps each, while the margin lets the makespan slip by about m steps; the sum is least at
-  m + chunk = sqrt(Y W) (`yield_margin`). W is the opening work (requests x mean expected
-  length) less the tokens generated since, so the margin shrinks to plain LRPT over the last
-  chunks of work, where the tail is decided (a margin fixed at the opening work left the last
-  requests up to m tokens apart: bench/RESULTS.md, 2026-11-27, the simulator with the
-  engine's 4-step launches read a launch late).
+  batch (measured at the engine's warm-up: `set_yield_cost`); pure LRPT swaps requests of
+  near-equal work every chunk, which on a GPU cost more than the tail it cut. So a running
+  request yields only to a margin m more remaining work: the W tokens of expected work left
+  make about W / (m + chunk) yields of Y steps each, while the margin lets the makespan slip by
+  about m steps; the sum is least at m + chunk = sqrt(Y W) (`yield_margin`). W is the opening
+  work less the tokens generated since, so the margin shrinks to plain LRPT over the last
+  chunks, where the tail is decided.
 
-  Reads tokens-so-far of queued requests from `live` (the simulator keeps a yielded request's
-  count there, so len(live) = requests started and unfinished); ties go to data order,
-  identical on every host.
+  Reads a yielded request's tokens so far from `live` (len(live) = requests started and
+  unfinished); ties go to data order, identical on every host.
   """
 
   online = True
@@ -307,20 +310,27 @@ class ResidualPolicy:
     perm = longest_first(ranked, [m.index for m in queue])
     return [queue[i] for i in perm]
 
-  def yield_rule(self, queue, finished, live, chunk: int) -> Callable[[RequestMeta], bool]:
-    """Whether a running request (tokens so far in `live`) should give its slot to the
-    request `next_to_admit` picks from `queue`: when that one has more remaining work by over
-    `yield_margin` (LRPT with a `chunk`-long quantum; at yield_cost 0, strictly more; ranked by
-    a quantile, by a whole token at least: the mean's tie-break orders admissions only).
-    The pick, its work and the margin are found once, for all the running requests asked while
-    `queue` and `live` stay as they are (a kept rule's margin is a little larger than today's)."""
-    best = queue[self.next_to_admit(queue, finished, live)]
-    best_left = self.remaining(best, live.get(best.request_id, 0))
+  def yield_rule(self, queue, finished, live, chunk: int,
+                 free: int = 0) -> Callable[[RequestMeta], bool]:
+    """Whether a running request (tokens so far in `live`) gives its slot to the next queued
+    pick, best first as `next_to_admit` ranks: when that one has more remaining work by over
+    `yield_margin` (by a whole token where ranked by a quantile). The first `free` picks fill
+    the empty slots; each yes hands the next one on. Found once for all the requests asked
+    while `queue` and `live` stay as they are (a kept rule's margin is a little larger)."""
+    picks = self._eligible(queue, live)
+    heapq.heapify(picks)
+    for _ in range(min(free, len(picks))):
+      heapq.heappop(picks)
     margin = self.yield_margin(chunk, self.done_tokens(finished, live))
-    left = lambda running: self.remaining(running, live.get(running.request_id, 0))
-    if self.quantile is None:
-      return lambda running: best_left > left(running) + margin
-    return lambda running: math.floor(best_left) > math.floor(left(running)) + margin
+    whole = math.floor if self.quantile is not None else (lambda x: x)
+
+    def rule(running: RequestMeta) -> bool:
+      left = self.remaining(running, live.get(running.request_id, 0))
+      if not picks or not whole(-picks[0][0][0]) > whole(left) + margin:
+        return False
+      heapq.heappop(picks)  # this slot goes to that pick: the next yes compares with the next
+      return True
+    return rule
 
   def should_yield(self, queue, running: RequestMeta, finished, live, chunk: int) -> bool:
     """`yield_rule` for one running request."""
@@ -330,14 +340,17 @@ class ResidualPolicy:
     del finished
     if not queue:
       raise IndexError(f"{self.name}.next_to_admit: empty queue")
-    # The engine asks once per admission and once per pass that offers yields, over the whole
-    # queue, between two decode steps. A queued request's work does not change while it waits,
-    # so its sort key is kept per request id (`_keys`: the meta it was made for, its tokens
-    # so far, the key) and the pass is a dict lookup and a comparison per queued request.
+    return min(self._eligible(queue, live))[1]
+
+  def _eligible(self, queue, live) -> list[tuple[tuple[float, int], int]]:
+    """(sort key, position) of each queued request `next_to_admit` may pick; least key first.
+    The engine asks once per admission and once per pass that offers yields, over the whole
+    queue, between two decode steps. A queued request's work does not change while it waits,
+    so its key is kept per request id (`_keys`: the meta it was made for, its tokens so far,
+    the key) and a pass is a dict lookup per queued request."""
     started_only = (self.kv_budget is not None and len(live) >= self.kv_budget and
                     any(m.request_id in live for m in queue))  # at the cap only started resume
-    keys, get = self._keys, live.get
-    best, best_key = -1, None
+    keys, get, out = self._keys, live.get, []
     for i, m in enumerate(queue):
       rid = m.request_id
       n = get(rid)
@@ -351,9 +364,8 @@ class ResidualPolicy:
       else:
         key = (-self.remaining(m, n), m.index)
         keys[rid] = (m, n, key)
-      if best_key is None or key < best_key:
-        best, best_key = i, key
-    return best
+      out.append((key, i))
+    return out
 
 
 def make_policy(name: str, *, predictor: LengthPredictor | None = None, step: int = 0,

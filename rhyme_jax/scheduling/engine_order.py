@@ -44,12 +44,12 @@ class EngineOrder:
       self.policy.set_yield_cost(steps)
 
   def yield_rule(self, queue: Sequence, finished: Mapping[int, int], live: Mapping[int, int],
-                 chunk: int) -> Callable[[Any], bool]:
+                 chunk: int, free: int = 0) -> Callable[[Any], bool]:
     """Whether a running request should give its slot to a queued one (divided rollout), for
-    every running request of one pass (`queue` unchanged): the policy's rule
+    the running requests of one pass (`queue` unchanged): the policy's rule
     (`rollout.interface.yield_rule`) over the requests' metadata, the queue's looked up once."""
     rule = yield_rule(self.policy, [self._current[r.request_id] for r in queue], finished, live,
-                      chunk)
+                      chunk, free)
     return lambda running: rule(self._current[running.request_id])
 
   def should_yield(self, queue: Sequence, running, finished: Mapping[int, int],

@@ -25,7 +25,8 @@ The engine interface this models: `AdmissionPolicy.order` once, `next_to_admit` 
 frees, and every `chunk` tokens of a running request (divided rollout) whether it gives way:
 the policy's rule (`rollout.interface.yield_rule`: its own `yield_rule` or `should_yield` where
 it has one, else whether `next_to_admit` offered the queue plus the running request picks
-another), made once per step for every request asked in it, and asked only while its shard's
+another), made once per step for every request asked in it (the free slots take the
+policy's first picks, each yield the next), and asked only while its shard's
 queue holds more requests than the step left free slots, as rollout/divided.py asks
 (history_residual yields to a margin more expected remaining work); each such yield stalls its
 shard for `DividedRollout.yield_ms` (the engine's two KV row copies), and a step that yields at
@@ -308,9 +309,9 @@ def simulate(jobs: Sequence[tuple[RequestMeta, int]],
       if queues[s] and policies[s].online:
         if len(queues[s]) <= cfg.slots - len(keep):  # the queue fills the free slots anyway
           break
-        if rule is None:
+        if rule is None:  # the slots free now take its first picks; each yield the next
           rule = yield_rule(policies[s], [x.meta for x in queues[s]], finished, live_len,
-                            cfg.divided.chunk)
+                            cfg.divided.chunk, cfg.slots - len(rows[s]))
         j.since = j.seen  # offered again after another chunk
         if not rule(j.meta):
           continue

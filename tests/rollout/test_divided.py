@@ -168,6 +168,47 @@ def test_a_kept_yield_rule_decides_as_one_rebuilt_every_pass(tiny_model):
     assert all(0 <= n <= final[i] for i, n in live.items())
 
 
+class _FewestTokens:
+  """Online, with neither `yield_rule` nor `should_yield`: the queued request with the fewest
+  tokens so far goes next (an unstarted one has none)."""
+
+  online = True
+
+  def order(self, requests):
+    return list(requests)
+
+  def next_to_admit(self, queue, finished, live):
+    return min(range(len(queue)), key=lambda i: (live.get(queue[i].request_id, 0), i))
+
+
+def test_each_yield_gives_way_to_its_own_pick_after_the_free_slots_take_theirs():
+  """Requests 0 and 1 run at 8 tokens; queued: 2 (unstarted) and 3 (yielded at 20 tokens).
+  Only one queued request beats a running one, so one yields: both did (each was compared with
+  the one best pick), and the freed slot took request 0 straight back, two row copies for
+  nothing. With a slot empty, that slot takes request 2 and none yields. The generic rule
+  (interface.yield_rule over `next_to_admit`) through the engine's slots_to_yield."""
+  from rhyme_jax.rollout.divided import YieldRules, slots_to_yield
+  from rhyme_jax.rollout.interface import yield_rule
+  from rhyme_jax.rollout.live import LiveRequest
+  reqs = [Request(i, [1], SamplingParams(max_new_tokens=64)) for i in range(4)]
+  order, live = _FewestTokens(), {0: 8, 1: 8, 3: 20}
+  running = []
+  for r in reqs[:2]:
+    lv = LiveRequest(r)
+    lv.tokens = [0] * live[r.request_id]
+    running.append(lv)
+  queue = [reqs[2], reqs[3]]
+  rule = yield_rule(order, queue, {}, live, 8)
+  assert [rule(r) for r in reqs[:2]] == [True, False]
+  assert slots_to_yield(running, queue, YieldRules(order, {}, live, 8), every=8, room=4) == [0]
+  for lv in running:
+    lv.since = 0
+  assert slots_to_yield(running + [None], queue + [reqs[3]], YieldRules(order, {}, live, 8),
+                        every=8, room=4) == []  # the empty slot takes 2; 3 trails them both
+  rule = yield_rule(order, queue, {}, live, 8, free=1)
+  assert [rule(r) for r in reqs[:2]] == [False, False]
+
+
 def test_divide_every_needs_park_rows():
   with pytest.raises(ValueError, match="park_rows"):
     EngineConfig(divide_every=8)

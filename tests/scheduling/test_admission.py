@@ -139,3 +139,7 @@ def test_probe_first_yield_rule_asks_without_admitting():
   # Once every group has started, a running request yields only to a longer group's sibling.
   rule = yield_rule(policy, queue, finished, {0: 300, 2: 280, 4: 5, 6: 400}, 16)
   assert not rule(metas[6]) and rule(metas[4])
+  # Two empty slots take the probes of C and D: a running request yields to neither.
+  queue = [metas[i] for i in (1, 3, 4, 5, 6, 7)]
+  rule = yield_rule(policy, queue, finished, live, 16, free=2)
+  assert not rule(metas[0]) and not rule(metas[2])

@@ -158,9 +158,11 @@ def test_yields_stall_the_shard_in_the_simulator():
   assert runs[2.5].makespan_ms == pytest.approx(runs[0.0].makespan_ms + 2.5 * runs[0.0].yields)
 
 
-def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
-  """rollout/divided.slots_to_yield asks the order once per pass (`yield_rule`): the same
-  decisions as asking `should_yield` per running request, with one scan of the queue."""
+def test_one_pass_of_yield_checks_scans_the_queue_once_and_pairs_yields_with_picks():
+  """rollout/divided.slots_to_yield asks the order once per pass (`yield_rule`), with one scan
+  of the queue, and the j-th running request to yield is compared with the j-th queued pick:
+  the decisions of `should_yield` asked per running request against the rest of the queue,
+  each yield taking the pick it gave way to out of it."""
   from rhyme_jax.rollout.divided import YieldRules, slots_to_yield
   from rhyme_jax.rollout.interface import Request
   from rhyme_jax.rollout.live import LiveRequest
@@ -179,14 +181,33 @@ def test_one_pass_of_yield_checks_finds_the_queued_pick_once():
     lv = LiveRequest(r)
     lv.tokens = [0] * live[r.request_id]
     slots.append(lv)
-  want = [i for i, r in enumerate(running)
-          if len(slots[i].tokens) >= 8 and order.should_yield(queue, r, {}, live, 8)]
+  want, rest, alone = [], list(queue), []
+  for i, r in enumerate(running):
+    if len(slots[i].tokens) < 8:
+      continue
+    alone += [i] * order.should_yield(queue, r, {}, live, 8)
+    if order.should_yield(rest, r, {}, live, 8):
+      want.append(i)
+      rest.pop(order.next_to_admit(rest, {}, live))
   scans = []
-  pol.next_to_admit = (lambda q, f, lv, _scan=pol.next_to_admit:
-                       scans.append(len(q)) or _scan(q, f, lv))
+  pol._eligible = (lambda q, lv, _scan=pol._eligible: scans.append(len(q)) or _scan(q, lv))
   got = slots_to_yield(slots, queue, YieldRules(order, {}, live, 8), every=8, room=len(queue))
-  assert got == want and 0 < len(got) < len(running)  # some yield, not all
+  assert got == want and 0 < len(got) < len(alone)  # fewer than if each met the best alone
   assert scans == [len(queue)]  # one scan of the queue for the whole pass
+
+
+def test_the_free_slots_take_the_first_picks_and_each_yield_the_next():
+  """history_residual's rule hands the queued requests out best first: with one slot empty, the
+  longest queued request fills it, and a running request yields only to the next one."""
+  pred = _predictor({"long": [200] * 4, "mid": [100] * 4, "run": [150] * 4})
+  metas = [RequestMeta(i, k, k, i, 1000) for i, k in enumerate(("long", "mid", "run", "run"))]
+  pol = ResidualPolicy(pred, quantile=None)
+  pol.order(metas)
+  queue, live = metas[:2], {2: 0, 3: 0}
+  rule = pol.yield_rule(queue, {}, live, 8)
+  assert [rule(metas[2]), rule(metas[3])] == [True, False]  # 200 > 150 once, then 100 < 150
+  rule = pol.yield_rule(queue, {}, live, 8, free=1)
+  assert not rule(metas[2])  # 200 fills the empty slot: 100 left to yield to
 
 
 class _FewestTokensFirst:

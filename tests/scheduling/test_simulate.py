@@ -145,7 +145,7 @@ class _AlwaysYield:
   def next_to_admit(self, queue, finished, live):
     return 0
 
-  def yield_rule(self, queue, finished, live, chunk):
+  def yield_rule(self, queue, finished, live, chunk, free=0):
     self.rules += 1
     return lambda running: True
 
