@@ -46,9 +46,10 @@ class AdmissionOrder(Protocol):
   chunk, free=0)` returning that decision for the running requests of one pass (the queue
   unchanged), so its work over the queue is done once per pass; a yes hands that request's
   slot to the order's next pick, after the `free` ones the empty slots take (`yield_rule`
-  below). Such an ask is hypothetical: an order
-  whose `next_to_admit` records the pick as admitted (probe-first marks the group started)
-  must define one of those two, or each ask would admit. Orders without `online` are static.
+  below). Such an ask is hypothetical: an order whose `next_to_admit` records the pick as
+  admitted (probe-first marks the group started) must define its own `yield_rule`, since the
+  generic rules (over `should_yield` too) find the picks through `next_to_admit`, so each ask
+  would admit. Orders without `online` are static.
 
   An online order whose rule reads nothing that changes while the queue, `finished` and the
   number of live requests stay as they are (a running request's count it reads from `live`
