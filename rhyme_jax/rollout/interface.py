@@ -83,18 +83,18 @@ def yield_rule(order, queue: Sequence, finished: Mapping[int, int], live: Mappin
   pick = lambda: order.next_to_admit(rest, finished, live)
   for _ in range(min(free, len(rest))):
     rest.pop(pick())
-  if hasattr(order, "should_yield"):
-    def rule(running) -> bool:
-      if not rest or not order.should_yield(rest, running, finished, live, chunk):
-        return False
-      rest.pop(pick())
-      return True
-    return rule
 
   def rule(running) -> bool:
-    k = order.next_to_admit([*rest, running], finished, live) if rest else 0
-    if k == len(rest):
+    if not rest:
       return False
+    if hasattr(order, "should_yield"):
+      if not order.should_yield(rest, running, finished, live, chunk):
+        return False
+      k = pick()
+    else:
+      k = order.next_to_admit([*rest, running], finished, live)
+      if k == len(rest):
+        return False
     rest.pop(k)
     return True
   return rule

@@ -186,14 +186,15 @@ class ContextAwarePolicy:
     used up the probes it yielded for and the freed slots went back to the yielded requests."""
     del chunk
     started, rest = self._started | self._seen(finished, live), list(queue)
-
     def take(k: int) -> bool:
       started.add(rest.pop(k).group_id)  # as admitting it would: its siblings are no probes
       return True
     for _ in range(min(free, len(rest))):
       take(self._pick(rest, finished, live, started))
-    return lambda running: bool(rest) and (
-        (k := self._pick([*rest, running], finished, live, started)) != len(rest)) and take(k)
+    def rule(running: RequestMeta) -> bool:
+      k = self._pick([*rest, running], finished, live, started) if rest else 0
+      return k != len(rest) and take(k)
+    return rule
 
   def _seen(self, finished, live) -> set:
     """Groups with a finished or running (started) request of this order's rollout."""
