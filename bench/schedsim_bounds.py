@@ -32,6 +32,20 @@ from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 from rhyme_jax.scheduling.simulate import simulate
 
 
+def shuffled_within_groups(jobs: list, rng: np.random.Generator) -> list:
+  """`jobs` ([(RequestMeta, true length)]) with each group's lengths permuted among its
+  samples: another draw of the same rollout, since a prompt's samples are exchangeable before
+  they run."""
+  by_group = collections.defaultdict(list)
+  for i, (m, _) in enumerate(jobs):
+    by_group[m.group_id].append(i)
+  lengths = [n for _, n in jobs]
+  for idx in by_group.values():
+    for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
+      lengths[i] = int(n)
+  return [(m, n) for (m, _), n in zip(jobs, lengths)]
+
+
 def blind_draws(cases: list[StepCase], table, cfg, draws: int, seed: int) -> np.ndarray:
   """What an order that cannot tell one prompt's samples apart can reach on this trace.
 
@@ -46,14 +60,7 @@ def blind_draws(cases: list[StepCase], table, cfg, draws: int, seed: int) -> np.
   for d in range(draws):
     sums = np.zeros(5)  # group makespan, oracle makespan, group tail, fifo tail, group steps
     for case in cases:
-      by_group = collections.defaultdict(list)
-      for i, (m, _) in enumerate(case.jobs):
-        by_group[m.group_id].append(i)
-      lengths = [n for _, n in case.jobs]
-      for idx in by_group.values():
-        for i, n in zip(idx, rng.permutation([lengths[i] for i in idx])):
-          lengths[i] = int(n)
-      shuffled = [(m, n) for (m, _), n in zip(case.jobs, lengths)]
+      shuffled = shuffled_within_groups(case.jobs, rng)
       truth = {m.request_id: n for m, n in shuffled}
       score = case.group_mean
       oracle = simulate(shuffled, lambda: make_policy("oracle", true_lengths=truth), table, cfg)

@@ -18,6 +18,12 @@ bench/quantile_rehearsal.py), summed over the trace's steps:
                       than 10% where some ended together with the 90th percentile)
   tail launches       per step, the launches in which those ended (0: all ended together)
   tail at cap         the share of the tail's requests that stopped at the token cap
+  over shuffles       with --shuffle_draws K: the tail cut and makespan / oracle (min /
+                      median / max) over K redraws of the same rollouts, each group's lengths
+                      shuffled among its samples. The samples of a prompt are exchangeable
+                      before they run, so which of them the trace made long is one draw of
+                      many, and no order could have known it: the spread says how much of a
+                      figure is that draw (schedsim_bounds.shuffled_within_groups)
 
 Orders: FIFO, history_residual (the trainer's `--schedule=residual` with divided rollout), the
 oracle, and clairvoyant LRPT (each request's true remaining length: bench/schedsim_bounds.py).
@@ -38,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common, schedsim_divided  # noqa: E402
-from bench.schedsim_bounds import ClairvoyantResidual  # noqa: E402
+from bench.schedsim_bounds import ClairvoyantResidual, shuffled_within_groups  # noqa: E402
 from rhyme_jax.scheduling.admission import make_policy  # noqa: E402
 from rhyme_jax.scheduling.simulate import SimResult, simulate, tail_start  # noqa: E402
 
@@ -59,39 +65,63 @@ def anatomy(res: SimResult, lengths: np.ndarray, caps: np.ndarray) -> tuple[int,
   return launches, len(tail), int(np.sum(lengths[tail] >= caps[tail]))
 
 
+def order_sums(replay, jobs_per_case: list) -> collections.Counter:
+  """Per order, makespan, tails and the tail's anatomy of one replay's cases with these jobs
+  ([(RequestMeta, true length)] per case), summed over the cases."""
+  sums = collections.Counter()
+  for case, jobs in zip(replay.cases, jobs_per_case):
+    truth = {m.request_id: n for m, n in jobs}
+    factories = {
+        "fifo": lambda: make_policy("fifo"),
+        "history_residual": lambda: make_policy("history_residual", predictor=case.predictor,
+                                                yield_cost=replay.yield_cost),
+        "oracle": lambda: make_policy("oracle", true_lengths=truth),
+        "clairvoyant": lambda: ClairvoyantResidual(truth, replay.yield_cost),
+    }
+    lengths = np.array([n for _, n in jobs], np.int64)
+    caps = np.array([m.max_new_tokens for m, _ in jobs])
+    for order, factory in factories.items():
+      res = simulate(jobs, factory, replay.table, replay.config)
+      launches, members, capped = anatomy(res, lengths, caps)
+      sums[order, "makespan"] += res.makespan_ms
+      sums[order, "tail"] += res.tail_ms
+      sums[order, "step_tail"] += res.step_tail_ms
+      sums[order, "launches"] += launches
+      sums[order, "members"] += members
+      sums[order, "capped"] += capped
+  return sums
+
+
+def tail_cut(sums: collections.Counter, order: str, key: str = "tail") -> float:
+  """1 - the order's tail / FIFO's (nan where FIFO has none)."""
+  return 1 - sums[order, key] / sums["fifo", key] if sums["fifo", key] else float("nan")
+
+
 def run(args) -> tuple[list[list], list[str]]:
   rows, notes = [], []
+  rng = np.random.default_rng(args.seed)
   for replay in schedsim_divided.runs(args, notes):
-    yield_cost, sums = replay.yield_cost, collections.Counter()
-    for case in replay.cases:
-      truth, predictor = case.truth, case.predictor
-      factories = {
-          "fifo": lambda: make_policy("fifo"),
-          "history_residual": lambda: make_policy("history_residual", predictor=predictor,
-                                                  yield_cost=yield_cost),
-          "oracle": lambda: make_policy("oracle", true_lengths=truth),
-          "clairvoyant": lambda: ClairvoyantResidual(truth, yield_cost),
-      }
-      caps = np.array([m.max_new_tokens for m, _ in case.jobs])
-      for order, factory in factories.items():
-        res = simulate(case.jobs, factory, replay.table, replay.config)
-        launches, members, capped = anatomy(res, case.lengths, caps)
-        sums[order, "makespan"] += res.makespan_ms
-        sums[order, "tail"] += res.tail_ms
-        sums[order, "step_tail"] += res.step_tail_ms
-        sums[order, "launches"] += launches
-        sums[order, "members"] += members
-        sums[order, "capped"] += capped
+    sums = order_sums(replay, [case.jobs for case in replay.cases])
+    # the same rollouts redrawn: each group's lengths shuffled among its samples
+    draws = [order_sums(replay, [shuffled_within_groups(case.jobs, rng)
+                                 for case in replay.cases])
+             for _ in range(args.shuffle_draws)]
     for order in ORDERS:
-      cut = lambda key: (f"{100 * (1 - sums[order, key] / sums['fifo', key]):.0f}%"
+      cut = lambda key: (f"{100 * tail_cut(sums, order, key):.0f}%"
                          if sums["fifo", key] else "-")
+      cuts = [100 * tail_cut(d, order) for d in draws]
+      ratios = [d[order, "makespan"] / d["oracle", "makespan"] for d in draws]
       rows.append(replay.label() + [
           order, f"{sums[order, 'makespan']:.1f}",
           f"{sums[order, 'makespan'] / sums['oracle', 'makespan']:.3f}",
           f"{sums[order, 'tail']:.1f}", cut("tail"), f"{sums[order, 'step_tail']:.1f}",
           cut("step_tail"), f"{sums[order, 'members'] / len(replay.cases):.1f}",
           f"{sums[order, 'launches'] / len(replay.cases):.1f}",
-          f"{100 * sums[order, 'capped'] / max(sums[order, 'members'], 1):.0f}%"])
+          f"{100 * sums[order, 'capped'] / max(sums[order, 'members'], 1):.0f}%"]
+          + ([" / ".join("-" if np.isnan(v) else f"{v:.0f}%"
+                         for v in np.quantile(cuts, [0, .5, 1])),
+              " / ".join(f"{v:.3f}" for v in np.quantile(ratios, [0, .5, 1]))]
+             if draws else []))
   return rows, notes
 
 
@@ -104,9 +134,17 @@ HEADER = schedsim_divided.LABEL_HEADER + [
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   schedsim_divided.add_args(ap)
+  ap.add_argument("--shuffle_draws", type=int, default=0,
+                  help="redraws of the rollouts with each group's lengths shuffled among its "
+                       "samples: the spread of tail cut and makespan / oracle (0 = off)")
+  ap.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
   args = schedsim_divided.complete(ap.parse_args(argv))
+  if args.shuffle_draws < 0:
+    ap.error(f"--shuffle_draws={args.shuffle_draws}: must be >= 0")
   rows, notes = run(args)
-  table = common.markdown_table(HEADER, rows)
+  extra = ["tail cut over shuffles (min / median / max)",
+           "makespan / oracle over shuffles"] if args.shuffle_draws else []
+  table = common.markdown_table(HEADER + extra, rows)
   schedsim_divided.report(
       args, "The last 10% of requests per order (bench/tail_anatomy.py)", table, notes,
       ["simulated, not run (rhyme_jax/scheduling/simulate.py, bench/schedsim.py's step-time "

@@ -123,3 +123,23 @@ def test_pooled_history_gives_every_prompt_the_step_prompts_lengths():
   cfg = SimConfig(slots=8, buckets=(8, 4, 2, 1), divided=DividedRollout(4))
   bounds = schedsim_bounds.divided_bounds([case], FLAT, cfg, yield_cost=0.0)
   assert bounds["pooled_history"] == bounds["history_residual"]
+
+
+def test_shuffled_within_groups_redraws_which_sample_ran_long():
+  # Each group keeps its lengths and every request its meta; only which sample of a group got
+  # which length changes, and over draws each sample gets more than one of them.
+  rng = np.random.default_rng(5)
+  jobs = _jobs(rng, prompts=5, group=4)
+  seen = {m.request_id: set() for m, _ in jobs}
+  for _ in range(20):
+    shuffled = schedsim_bounds.shuffled_within_groups(jobs, rng)
+    assert [m for m, _ in shuffled] == [m for m, _ in jobs]
+    for g in range(5):
+      assert (sorted(n for m, n in shuffled if m.group_id == g)
+              == sorted(n for m, n in jobs if m.group_id == g))
+    for m, n in shuffled:
+      seen[m.request_id].add(n)
+  assert all(len(lengths) > 1 for lengths in seen.values())
+  # a group of one has nothing to shuffle
+  single = _jobs(rng, prompts=5, group=1)
+  assert schedsim_bounds.shuffled_within_groups(single, rng) == single

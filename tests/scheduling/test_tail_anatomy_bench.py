@@ -60,6 +60,39 @@ def test_full_run_on_a_small_trace(tmp_path, capsys):
     assert 0 <= float(r[col["tail launches / step"]]) <= members <= 3
 
 
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_shuffle_draws_spread_the_figures_over_redrawn_rollouts(tmp_path, capsys, group_size):
+  # Groups of one have nothing to shuffle: every redraw is the trace itself, so min, median
+  # and max are the row's own figures. In groups of four FIFO's cut stays 0 and the oracle's
+  # makespan ratio 1 in every draw.
+  trace = schedsim.synthetic_trace(3, num_prompts=32 // group_size, group_size=group_size,
+                                   max_new_tokens=64)
+  schedsim.write_trace(trace, str(tmp_path / "small.jsonl"))
+  tail_anatomy.main(["--trace", str(tmp_path / "small.jsonl"), "--max_new_tokens", "64",
+                     "--shuffle_draws", "3", "--no_append"])
+  out = capsys.readouterr().out.splitlines()
+  header = next(line for line in out if line.startswith("| trace")).strip("| ").split(" | ")
+  col = {name: i for i, name in enumerate(header)}
+  rows = [line.strip("| ").split(" | ") for line in out if line.startswith("| small")]
+  assert len(rows) == 5 * len(tail_anatomy.ORDERS)
+  for r in rows:
+    cuts = r[col["tail cut over shuffles (min / median / max)"]].split(" / ")
+    ratios = r[col["makespan / oracle over shuffles"]].split(" / ")
+    assert len(cuts) == len(ratios) == 3
+    if group_size == 1:
+      assert ratios == [r[col["makespan / oracle"]]] * 3
+      assert cuts == [r[col["tail cut vs fifo"]]] * 3
+    if r[col["order"]] == "fifo":
+      assert set(cuts) <= {"0%", "-"}
+    if r[col["order"]] == "oracle":
+      assert ratios == ["1.000"] * 3
+
+
+def test_shuffle_draws_must_not_be_negative(capsys):
+  with pytest.raises(SystemExit):
+    tail_anatomy.main(["--trace", "synthetic", "--shuffle_draws", "-1", "--no_append"])
+  assert "--shuffle_draws=-1" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("flag,bad", [("--slots", "64"), ("--table", "tpu=x.json")])
 def test_bad_flags_are_one_clear_error(flag, bad, capsys):
