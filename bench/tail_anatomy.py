@@ -97,6 +97,11 @@ def tail_cut(sums: collections.Counter, order: str, key: str = "tail") -> float:
   return 1 - sums[order, key] / sums["fifo", key] if sums["fifo", key] else float("nan")
 
 
+def percent(value: float) -> str:
+  """A share as a whole percent; "-" where undefined (nan)."""
+  return "-" if np.isnan(value) else f"{100 * value:.0f}%"
+
+
 def run(args) -> tuple[list[list], list[str]]:
   rows, notes = [], []
   rng = np.random.default_rng(args.seed)
@@ -107,9 +112,8 @@ def run(args) -> tuple[list[list], list[str]]:
                                  for case in replay.cases])
              for _ in range(args.shuffle_draws)]
     for order in ORDERS:
-      cut = lambda key: (f"{100 * tail_cut(sums, order, key):.0f}%"
-                         if sums["fifo", key] else "-")
-      cuts = [100 * tail_cut(d, order) for d in draws]
+      cut = lambda key: percent(tail_cut(sums, order, key))
+      cuts = [tail_cut(d, order) for d in draws]
       ratios = [d[order, "makespan"] / d["oracle", "makespan"] for d in draws]
       rows.append(replay.label() + [
           order, f"{sums[order, 'makespan']:.1f}",
@@ -118,8 +122,7 @@ def run(args) -> tuple[list[list], list[str]]:
           cut("step_tail"), f"{sums[order, 'members'] / len(replay.cases):.1f}",
           f"{sums[order, 'launches'] / len(replay.cases):.1f}",
           f"{100 * sums[order, 'capped'] / max(sums[order, 'members'], 1):.0f}%"]
-          + ([" / ".join("-" if np.isnan(v) else f"{v:.0f}%"
-                         for v in np.quantile(cuts, [0, .5, 1])),
+          + ([" / ".join(map(percent, np.quantile(cuts, [0, .5, 1]))),
               " / ".join(f"{v:.3f}" for v in np.quantile(ratios, [0, .5, 1]))]
              if draws else []))
   return rows, notes

@@ -5,14 +5,21 @@ divided rollout moving work off a loaded shard."""
 import dataclasses
 import json
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from rhyme_jax.scheduling.admission import POLICIES, RequestMeta, ResidualPolicy, make_policy
+from rhyme_jax.scheduling.admission import POLICIES, RequestMeta, make_policy
 from rhyme_jax.scheduling.assignment import plan_shards
 from rhyme_jax.scheduling.predictor import LengthPredictor, LengthTable
 from rhyme_jax.scheduling.simulate import DividedRollout, SimConfig, simulate, tail_time
 from rhyme_jax.scheduling.step_time import StepTimeTable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench"))
+from schedsim_bounds import ClairvoyantResidual  # noqa: E402  (LRPT on the true lengths)
 
 FLAT = StepTimeTable({(1, 0): 1.0, (64, 0): 1.0})
 
@@ -161,25 +168,13 @@ def test_divided_rollout_asks_once_per_step_while_more_wait_than_slots_free():
   assert res.tokens == 30 and res.makespan_ms == res.steps * 1.0 + 0.5 * res.yields
 
 
-class _TrueRemaining(ResidualPolicy):
-  """history_residual told the true remaining lengths: LRPT, at yield cost 0 no margin."""
-
-  def __init__(self, truth):
-    super().__init__(predictor=None, quantile=None)
-    self.truth = truth
-
-  def estimate(self, meta, generated):
-    left = float(self.truth[meta.request_id] - generated)
-    return left, left
-
-
 def test_each_yield_in_the_simulator_gives_way_to_a_queued_request_of_its_own():
   """A and B (10 tokens) run, C (9) and D (1) wait; chunk 2. At 2 tokens both have 8 left and
   only C is longer: A yields to it and B stays (before, both yielded for C and A came straight
   back). Hand-computed: every pass after yields one request to the one longer queued request,
   six yields in all, and the rollout ends at the 15 steps its 30 tokens need on 2 slots."""
   jobs = _jobs([10, 10, 9, 1])
-  res = simulate(jobs, lambda: _TrueRemaining(_truth(jobs)), FLAT,
+  res = simulate(jobs, lambda: ClairvoyantResidual(_truth(jobs)), FLAT,
                  SimConfig(slots=2, buckets=(2, 1), divided=DividedRollout(2)))
   assert (res.yields, res.yield_passes) == (6, 6)
   assert res.makespan_ms == 15.0 and list(res.finish_ms) == [14.0, 14.0, 15.0, 15.0]
