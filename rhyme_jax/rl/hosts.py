@@ -228,16 +228,27 @@ def data_states(state: dict) -> list[dict]:
   return multihost.allgather_json(state)
 
 
-def my_data_state(saved: Any, process_index: int, process_count: int, where: str) -> dict:
+def my_data_state(saved: Any, process_index: int, process_count: int, where: str, *,
+                  balanced: bool = False) -> dict:
   """This process's data-iterator state from a checkpoint's host state.
 
   `saved` is the list `data_states` gathered (or, from a checkpoint older than per-process
   states, one process's dict). A checkpoint written by a different number of processes
   cannot be resumed: each process's place in the prompt stream depends on the count.
+  `balanced` (--balance_hosts) reads whole rounds, so every host must resume at one round:
+  a run with --dynamic_sampling but without --balance_hosts leaves hosts at different rounds,
+  and no whole round resumes it without skipping one host's prompts or repeating another's.
   """
   states = [saved] if isinstance(saved, dict) else list(saved)
   if len(states) != process_count:
     raise ValueError(f"{where}: written by {len(states)} process(es), this run has "
                      f"{process_count}; resume with {len(states)} (each process's place in the "
                      "prompt stream depends on the count) or use a new --run_dir")
+  if balanced and any(s != states[0] for s in states):
+    places = ", ".join(str(s.get("next_index", s)) for s in states)
+    raise ValueError(f"{where}: the hosts stopped at different rounds of the prompt stream "
+                     f"({places}), as --dynamic_sampling without --balance_hosts leaves them; "
+                     "--balance_hosts reads whole rounds and cannot resume them without "
+                     "skipping or repeating prompts: resume without --balance_hosts or use a "
+                     "new --run_dir")
   return states[process_index]

@@ -198,8 +198,6 @@ class Trainer:
     # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
     self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
     model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
-    if self.process_index == 0:  # one writer; the others checked it in check_inputs
-      run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
 
     self.learner = Learner(c, model, self.mesh, inputs.model_config)
     # Rollout runs on this host's devices, on a replica of the policy (rhyme_jax.multihost).
@@ -218,7 +216,9 @@ class Trainer:
     self.data_iter = iter(self.pipeline)
     self._stop_signal = None
     self.epoch_stats = EpochStats()
-    self._restore()
+    self._restore()  # refuses a checkpoint this config cannot resume, before the write below
+    if self.process_index == 0:  # one writer; the others checked it in check_inputs
+      run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
 
   def _rollout_policy(self):
     """The learner's current parameters as this host's rollout model."""
@@ -243,7 +243,8 @@ class Trainer:
       data_state = hosts.my_data_state(host["data_iter"], self.process_index,
                                        self.process_count,
                                        f"checkpoint "
-                                       f"{self.checkpointer.directory / str(state.step)}")
+                                       f"{self.checkpointer.directory / str(state.step)}",
+                                       balanced=self.balance)
     except ValueError as e:
       raise ckpt_lib.CheckpointError(str(e)) from e
     self.data_iter.set_state(data_state)

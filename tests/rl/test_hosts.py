@@ -213,3 +213,33 @@ def test_share_step_keeps_held_groups_and_refuses_both():
   assert hosts.share_step(held, {}, 1).records == held
   with pytest.raises(ValueError, match="share_step: groups both held"):
     hosts.share_step(held, {}, 1, held=held)
+
+
+def test_resume_switching_balance_hosts_on_needs_the_hosts_at_one_round():
+  """A checkpoint's per-host data states resume with or without --balance_hosts when the hosts
+  agree: the balanced round then reads exactly the positions the hosts' slices would have read
+  next (nothing skipped, nothing repeated). Hosts left at different rounds (dynamic sampling
+  without --balance_hosts) cannot resume balanced: one clear error naming the flag."""
+  from rhyme_jax.data.pipeline import PromptPipeline  # pylint: disable=import-outside-toplevel
+  examples = [Example(f"u{i}", f"q{i}", "#### 1") for i in range(40)]
+  local = [PromptPipeline(examples, batch_size=3, seed=0, process_index=i, process_count=2)
+           for i in range(2)]
+  iters = [iter(p) for p in local]
+  for it in iters:
+    for _ in range(2):
+      next(it)
+  saved = [it.get_state() for it in iters]  # what `data_states` gathers, in process order
+  balanced = iter(PromptPipeline(examples, batch_size=6, seed=0, process_index=0,
+                                 process_count=1))
+  for i in range(2):
+    state = hosts.my_data_state(saved, i, 2, "ckpt", balanced=True)
+    assert state == saved[i]
+  balanced.set_state(hosts.my_data_state(saved, 0, 2, "ckpt", balanced=True))
+  assert next(balanced).positions == sum((next(it).positions for it in iters), ())
+
+  skewed = [{"next_index": 5}, {"next_index": 7}]  # host 1 read two more refill rounds
+  assert hosts.my_data_state(skewed, 1, 2, "ckpt") == {"next_index": 7}  # fine unbalanced
+  with pytest.raises(ValueError, match=r"ckpt: .*different rounds.*\(5, 7\).*--balance_hosts"):
+    hosts.my_data_state(skewed, 0, 2, "ckpt", balanced=True)
+  with pytest.raises(ValueError, match=r"ckpt: written by 2 process\(es\), this run has 4"):
+    hosts.my_data_state(skewed, 0, 4, "ckpt", balanced=True)

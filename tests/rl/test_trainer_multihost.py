@@ -232,6 +232,21 @@ def test_two_processes_two_grpo_steps(eos_model, compile_cache, tmp_path, spec):
     assert ends[0]["history"] == ends[1]["history"] is not None
     assert ends[0]["history_prompts"] == 2  # both prompts, whichever host sampled them
     print("rounds per host per step:", rounds_taken)
+    # Dynamic sampling left the hosts at different rounds of the stream: --balance_hosts, which
+    # reads whole rounds, cannot resume that without skipping or repeating prompts. Both hosts
+    # refuse with one clear error before anything of the run is written.
+    assert len({sum(len([b for b in batches[p] if b["step"] == s]) for s in (1, 2))
+                for p in range(PROCESSES)}) == 2, rounds_taken
+    run_dir = tmp_path / "run"
+    before = {f: (run_dir / f).read_bytes() for f in ("run_config.json", "metrics.jsonl")}
+    pair = Pair(run_flags(eos_model, run_dir, "--num_steps=3", f"--spec={spec}",
+                          "--checkpoint_every=1", "--eval_every=2", "--eval_size=3", *extra,
+                          "--balance_hosts"), str(tmp_path / "balanced_logs"), compile_cache)
+    assert all(code != 0 for code in pair.wait())
+    for i in range(PROCESSES):
+      assert "different rounds of the prompt stream" in pair.output(i), pair.output(i)
+      assert "resume without --balance_hosts" in pair.output(i)
+    assert before == {f: (run_dir / f).read_bytes() for f in before}
 
 
 def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compile_cache,
