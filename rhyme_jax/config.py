@@ -46,7 +46,8 @@ TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # Fields that may differ when resuming a run directory or between its processes (each its own
 # --process_id); everything else must match. rollout.attention: the same attention computed by
 # another implementation (as on other hardware); the admission order never changes what is
-# sampled.
+# sampled; rollout.balance_hosts: switched on, it needs a checkpoint whose hosts stopped at one
+# round of the prompt stream (rl.hosts.my_data_state).
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
                      "run.record_rollouts",
@@ -264,7 +265,8 @@ _FLAGS = {
          "groups as without it (rollout log-probs may differ in their last bits: other batch "
          "shapes). With it the "
          "refill is global: every host reads every round, until all hosts together kept "
-         "enough groups (without balancing each host refills its own slice)."),
+         "enough groups (without balancing each host refills its own slice), so it is switched on "
+         "at a resume only where the hosts stopped at one round of the prompt stream."),
     ],
     RLOptions: [
         ("group_size", 4, "G: responses sampled per prompt (>= 2)."),
