@@ -268,7 +268,7 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   shape, so its rollout log-probs (which the loss's importance weight reads, --tis_cap) may
   differ in their last bits (seen: an is_weight_mean of 0.99999994 against 1.0): the training
   figures and the policy are compared to float32 rounding, not bitwise."""
-  flags = lambda run, *extra: run_flags(eos_model, run, "--num_steps=2", "--train_size=4",
+  flags = lambda run, *extra: run_flags(eos_model, run, "--num_steps=3", "--train_size=4",
                                         "--prompts_per_step=2", "--max_new_tokens=8",
                                         "--checkpoint_every=3", "--eval_every=0", *extra)
   logs = {name: str(tmp_path / f"{name}_logs") for name in ("plain", "balanced")}
@@ -288,7 +288,7 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   for p in range(PROCESSES):  # each host trains on its own slice of the round either way
     assert trained("balanced", p) == trained("plain", p)
   moved = 0
-  for step in (1, 2):
+  for step in (1, 2, 3):
     ids = {name: [sampled(name, p)[step] for p in range(PROCESSES)]
            for name in ("plain", "balanced")}
     # the same requests over both hosts (each once) with the same response lengths
@@ -301,7 +301,7 @@ def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compil
   # both hosts read every prompt of the round: the whole stream, in order, once per host
   for p in range(PROCESSES):
     taken = [pos for b in events(logs["balanced"], p, "batch") for pos in b["positions"]]
-    assert taken == list(range(2 * PROCESSES * 2))
+    assert taken == list(range(3 * PROCESSES * 2))
 
 
 @pytest.mark.slow
