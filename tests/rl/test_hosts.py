@@ -231,10 +231,9 @@ def test_resume_switching_balance_hosts_on_needs_the_hosts_at_one_round():
   saved = [it.get_state() for it in iters]  # what `data_states` gathers, in process order
   balanced = iter(PromptPipeline(examples, batch_size=6, seed=0, process_index=0,
                                  process_count=1))
-  for i in range(2):
-    state = hosts.my_data_state(saved, i, 2, "ckpt", balanced=True)
-    assert state == saved[i]
-  balanced.set_state(hosts.my_data_state(saved, 0, 2, "ckpt", balanced=True))
+  states = [hosts.my_data_state(saved, i, 2, "ckpt", balanced=True) for i in range(2)]
+  assert states == saved
+  balanced.set_state(states[0])
   assert next(balanced).positions == sum((next(it).positions for it in iters), ())
 
   skewed = [{"next_index": 5}, {"next_index": 7}]  # host 1 read two more refill rounds
