@@ -22,7 +22,8 @@ removed the next time a `RunCheckpointer` opens the directory.
 
 Recovery: `restore_latest` restores the newest checkpoint that reads back whole; a corrupt
 or truncated one (disk full, a copy cut short) is reported with a warning naming it and the
-next older one is tried. Unreadable host metadata is a `CheckpointError` naming its file.
+next older one is tried. Where none reads back, nothing is moved and the error names the
+newest failure. Unreadable host metadata is a `CheckpointError` naming its file.
 
 Multi-host note: JSON host state is written by the primary process only;
 per-host iterator state must be gathered into it by the caller.
@@ -274,27 +275,32 @@ class RunCheckpointer:
                      warn=None) -> RunState | None:
     """The newest checkpoint that restores whole, or None when there is none.
 
-    A checkpoint that fails to restore (truncated or corrupt files, garbage host metadata)
-    is moved aside to `RUN_DIR/corrupt_checkpoints/<step>` (kept for inspection; the run
-    saves that step afresh when it gets there), reported through `warn(message)`, and the
-    next older one is tried. When every one fails, raises `CheckpointError` naming the
-    directory and the newest failure.
+    Steps are tried newest first. When an older one restores, every newer one that failed
+    (truncated or corrupt files, garbage host metadata) is moved aside to
+    `RUN_DIR/corrupt_checkpoints/<step>` (kept for inspection; the run saves that step afresh
+    when it gets there) and reported through `warn(message)`. When none restores, nothing is
+    moved and `CheckpointError` names the directory and the newest failure: a failure of every
+    step is more likely a mismatch with this program (a changed model or optimizer structure)
+    than corruption of them all, and moving them aside would make the next run start over.
     """
     steps = self.all_steps()
-    first_error = None
+    failed: list[tuple[int, CheckpointError]] = []
     for step in reversed(steps):
       try:
-        return self.restore(step, abstract_params=abstract_params,
-                            abstract_opt_state=abstract_opt_state)
+        state = self.restore(step, abstract_params=abstract_params,
+                             abstract_opt_state=abstract_opt_state)
       except CheckpointError as e:
-        first_error = first_error or e
-        moved = self._quarantine(step)
+        failed.append((step, e))
+        continue
+      for bad, e in failed:
+        moved = self._quarantine(bad)
         if warn is not None:
-          warn(f"warning: checkpoint step {step} is unreadable (moved to {moved}), trying an "
-               f"older one: {e}")
-    if first_error is not None:
-      raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps}; "
-                            f"newest failure: {first_error}")
+          warn(f"warning: checkpoint step {bad} is unreadable (moved to {moved}); resuming "
+               f"from step {step}: {e}")
+      return state
+    if failed:
+      raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps} "
+                            f"(none moved); newest failure: {failed[0][1]}")
     return None
 
   def _quarantine(self, step: int) -> epath.Path:

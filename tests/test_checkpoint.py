@@ -286,10 +286,44 @@ def test_no_readable_checkpoint_is_one_error_naming_the_directory(tmp_path):
         p.write_text("[")
   with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
     with pytest.raises(ckpt.CheckpointError, match=r"no readable checkpoint among steps "
-                       r"\[1, 2, 3\]; newest failure: .*checkpoints/3/host"):
+                       r"\[1, 2, 3\] \(none moved\); newest failure: .*checkpoints/3/host"):
       cp.restore_latest()
+    assert cp.all_steps() == [1, 2, 3]  # left in place: the next run finds them again
+  assert not (tmp_path / "corrupt_checkpoints").exists()
   with ckpt.RunCheckpointer(tmp_path / "empty") as cp:
     assert cp.restore_latest() is None
+
+
+def test_a_structure_every_step_fails_moves_nothing(tmp_path):
+  """Intact checkpoints that this program cannot read (here an extra parameter, as a changed
+  model or optax version gives) all fail alike: an error, and every one stays where it was,
+  so a rerun does not find the directory empty and start over."""
+  _three_steps(tmp_path)
+  wider = lambda s: {**_params(s), "extra": np.zeros(3, np.float32)}
+  for _ in range(2):  # and again: the rerun sees the same checkpoints
+    with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+      with pytest.raises(ckpt.CheckpointError, match=r"none moved"):
+        cp.restore_latest(abstract_params=wider(0), warn=pytest.fail)
+      assert cp.all_steps() == [1, 2, 3]
+  assert not (tmp_path / "corrupt_checkpoints").exists()
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    assert cp.restore_latest(abstract_params=_params(0)).step == 3
+
+
+def test_newer_unreadable_steps_move_aside_once_an_older_one_restores(tmp_path):
+  ckdir = _three_steps(tmp_path)
+  for step in (2, 3):
+    for p in (ckdir / str(step) / "host").rglob("*"):
+      if p.is_file():
+        p.write_text("[")
+  warnings = []
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    assert cp.restore_latest(abstract_params=_params(0), warn=warnings.append).step == 1
+    assert cp.all_steps() == [1]
+  assert [w.split(" is unreadable")[0] for w in warnings] == [
+      "warning: checkpoint step 3", "warning: checkpoint step 2"]
+  assert all("resuming from step 1" in w for w in warnings)
+  assert sorted(p.name for p in (tmp_path / "corrupt_checkpoints").iterdir()) == ["2", "3"]
 
 
 def test_run_dir_as_epath(tmp_path):
