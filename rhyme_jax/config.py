@@ -414,9 +414,8 @@ def validate(c: Config) -> None:
   _at_least("max_prompt_len", r.max_prompt_len, 1)
   _at_least("max_new_tokens", r.max_new_tokens, 1)
   _one_of("spec", r.spec, SPECS)
-  _at_least("draft_budget", r.draft_budget, 1)
   if not 1 <= r.draft_budget < 32:
-    raise ValueError(f"--draft_budget={r.draft_budget}: must be in [1, 32)")
+    _fail("draft_budget", r.draft_budget, "an integer in [1, 32)")
   _one_of("draft_mode", r.draft_mode, DRAFT_MODES)
   _one_of("speculate", r.speculate, SPECULATE)
   _at_least("prefill_chunk", r.prefill_chunk, 1)
@@ -482,7 +481,8 @@ def validate(c: Config) -> None:
   if not run.run_dir:
     _fail("run_dir", "''", "a directory path (where checkpoints and metrics go)")
   _at_least("num_steps", run.num_steps, 1)
-  _at_least("seed", run.seed, 0)
+  if not 0 <= run.seed < 2**32:  # the data order's and the sampler's keys take 32 bits
+    _fail("seed", run.seed, "an integer in [0, 2^32)")
   _at_least("checkpoint_every", run.checkpoint_every, 1)
   _at_least("keep_checkpoints", run.keep_checkpoints, 1)
   _at_least("eval_every", run.eval_every, 0)

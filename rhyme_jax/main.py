@@ -45,9 +45,11 @@ def _input_errors() -> tuple[type[Exception], ...]:
   """Exceptions that mean "bad input" (each message names its file / field), not a bug."""
   from rhyme_jax.checkpoint import CheckpointError
   from rhyme_jax.data.datasets import DatasetError
+  from rhyme_jax.metrics import MetricsFileError
   from rhyme_jax.models.loading import ModelError
-  from rhyme_jax.run_config import RunConfigMismatchError
-  return (DatasetError, ModelError, CheckpointError, RunConfigMismatchError, FileNotFoundError)
+  from rhyme_jax.run_config import RunConfigError
+  return (DatasetError, ModelError, CheckpointError, RunConfigError, MetricsFileError,
+          FileNotFoundError)
 
 
 def _config():
@@ -92,10 +94,10 @@ def main(argv):
   config = _config()
   inputs = _checked_inputs(config)
   from rhyme_jax.rl import trainer
-  if _DRY_RUN.value:
-    print(trainer.describe_plan(config, inputs))
-    return
   try:
+    if _DRY_RUN.value:
+      print(trainer.describe_plan(config, inputs))
+      return
     t = trainer.Trainer(config, inputs)
     t.run()
   except ConfigError as e:

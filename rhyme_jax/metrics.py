@@ -64,15 +64,23 @@ def _scalar(name: str, value: Any) -> Any:
                   (f" of shape {getattr(value, 'shape')}" if size else ""))
 
 
+class MetricsFileError(ValueError):
+  """A metrics.jsonl that cannot be read back (a resumed run keeps its records)."""
+
+
 def read_metrics(path: str | os.PathLike,
                  *, drop_partial_last_line: bool = True) -> list[dict]:
   """Parses a metrics.jsonl file into a list of records.
 
   A last line without its newline (a writer killed mid-line) is dropped; any
-  other malformed line raises ValueError naming `path:line`.
+  other malformed line raises MetricsFileError naming `path:line`.
   """
   path = epath.Path(path)
-  text = path.read_text()
+  try:
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = path.read_bytes()[:e.start].count(b"\n") + 1
+    raise MetricsFileError(f"{path}:{line}: not UTF-8") from e
   lines = text.split("\n")
   records = []
   for lineno, line in enumerate(lines, start=1):
@@ -84,10 +92,10 @@ def read_metrics(path: str | os.PathLike,
     except json.JSONDecodeError as e:
       if is_partial_tail and drop_partial_last_line:
         break
-      raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+      raise MetricsFileError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-      raise ValueError(f"{path}:{lineno}: expected an object with an integer "
-                       "'step' field")
+      raise MetricsFileError(f"{path}:{lineno}: expected an object with an integer "
+                             "'step' field")
     records.append(record)
   return records
 

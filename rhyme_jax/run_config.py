@@ -1,8 +1,10 @@
 """The run directory's config fingerprint: `RUN_DIR/run_config.json`.
 
-A new run directory gets the run's config (canonical JSON) and its sha256; a rerun in the same
-directory is compared field by field, so a resumed run is the run it claims to continue. Only
-fields named as resumable (e.g. the total step count) may differ. The run directory may be a
+A new run directory gets the run's config (canonical JSON) and its sha256, and optionally a
+fingerprint of its data (`data`: what the flags cannot show, e.g. the contents of the dataset
+file they name); a rerun in the same directory is compared field by field, and by that
+fingerprint, so a resumed run is the run it claims to continue. Only fields named as
+resumable (e.g. the total step count) may differ. The run directory may be a
 local path or a `gs://` URI (`etils.epath`).
 """
 
@@ -21,7 +23,11 @@ from etils import epath
 RUN_CONFIG_FILE = "run_config.json"
 
 
-class RunConfigMismatchError(ValueError):
+class RunConfigError(ValueError):
+  """The run directory's run_config.json cannot be read."""
+
+
+class RunConfigMismatchError(RunConfigError):
   """The run directory was created by a different configuration."""
 
 
@@ -79,9 +85,9 @@ def _write_atomic(path: epath.Path, text: str) -> None:
   tmp.replace(path)
 
 
-def write_run_config(run_dir: str | os.PathLike, config: Any, *,
+def write_run_config(run_dir: str | os.PathLike, config: Any, *, data: Any = None,
                      overwrite: bool = False) -> epath.Path:
-  """Writes `run_dir/run_config.json` (config + fingerprint), atomically.
+  """Writes `run_dir/run_config.json` (config + fingerprint, and `data` if given), atomically.
 
   Refuses to replace an existing file unless `overwrite=True`.
   """
@@ -90,39 +96,54 @@ def write_run_config(run_dir: str | os.PathLike, config: Any, *,
     raise FileExistsError(f"{path} already exists; use check_run_config to "
                           "compare against it")
   normalized = _normalize(config, "")
+  entry = {"fingerprint": config_fingerprint(normalized), "config": normalized}
+  if data is not None:
+    entry["data"] = _normalize(data, "data")
   path.parent.mkdir(parents=True, exist_ok=True)
-  _write_atomic(path, json.dumps(
-      {"fingerprint": config_fingerprint(normalized), "config": normalized},
-      indent=2, sort_keys=True) + "\n")
+  _write_atomic(path, json.dumps(entry, indent=2, sort_keys=True) + "\n")
   return path
 
 
-def read_run_config(run_dir: str | os.PathLike) -> dict:
+def _read(run_dir: str | os.PathLike) -> dict:
   path = _config_path(run_dir)
   try:
     data = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-  if not isinstance(data, dict) or "config" not in data:
-    raise ValueError(f"{path}: missing 'config' entry")
-  return data["config"]
+    raise RunConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+  except UnicodeDecodeError as e:
+    raise RunConfigError(f"{path}: not UTF-8") from e
+  if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+    raise RunConfigError(f"{path}: missing 'config' entry")
+  return data
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict:
+  return _read(run_dir)["config"]
 
 
 def _allowed(key: str, allow_changed: Iterable[str]) -> bool:
   return any(key == a or key.startswith(a + ".") for a in allow_changed)
 
 
-def check_run_config(run_dir: str | os.PathLike, config: Any, *,
+def check_run_config(run_dir: str | os.PathLike, config: Any, *, data: Any = None,
                      allow_changed: Iterable[str] = ()) -> list[str]:
-  """Compares `config` with the one stored in `run_dir`; never writes.
+  """Compares `config` (and `data`) with what `run_dir` stores; never writes.
 
   Fields are compared by dotted name ('rollout.temperature'). Names (or
   dotted prefixes) in `allow_changed` may differ, e.g. total steps or logging
   frequency. Returns the allowed fields that changed; raises
-  `RunConfigMismatchError` naming every other differing field.
+  `RunConfigMismatchError` naming every other differing field, or where `data` differs
+  from the stored data fingerprint (a run directory written without one is not compared).
   """
   allow_changed = tuple(allow_changed)
-  stored = _flatten(read_run_config(run_dir))
+  entry = _read(run_dir)
+  if data is not None and "data" in entry and entry["data"] != _normalize(data, "data"):
+    raise RunConfigMismatchError(
+        f"{_config_path(run_dir)}: the run's data changed (run dir has "
+        f"{json.dumps(entry['data'], sort_keys=True)}, now "
+        f"{json.dumps(_normalize(data, 'data'), sort_keys=True)}): resuming would skip or "
+        "repeat examples; restore the data the run started with, or use a new run directory")
+  stored = _flatten(entry["config"])
   new = _flatten(_normalize(config, ""))
   missing = object()
   diffs, allowed = [], []
@@ -143,17 +164,18 @@ def check_run_config(run_dir: str | os.PathLike, config: Any, *,
   return allowed
 
 
-def ensure_run_config(run_dir: str | os.PathLike, config: Any, *,
+def ensure_run_config(run_dir: str | os.PathLike, config: Any, *, data: Any = None,
                       allow_changed: Iterable[str] = ()) -> list[str]:
-  """Writes the config for a new run dir, or checks it for an existing one.
+  """Writes the config (and `data`) for a new run dir, or checks them for an existing one.
 
   When only allowed fields changed the stored config is updated to the new
-  one (after the check passed); returns the changed allowed fields.
+  one (after the check passed), as is a run dir written without a data fingerprint;
+  returns the changed allowed fields.
   """
   if not _config_path(run_dir).exists():
-    write_run_config(run_dir, config)
+    write_run_config(run_dir, config, data=data)
     return []
-  changed = check_run_config(run_dir, config, allow_changed=allow_changed)
-  if changed:
-    write_run_config(run_dir, config, overwrite=True)
+  changed = check_run_config(run_dir, config, data=data, allow_changed=allow_changed)
+  if changed or (data is not None and "data" not in _read(run_dir)):
+    write_run_config(run_dir, config, data=data, overwrite=True)
   return changed

@@ -82,6 +82,10 @@ def test_quickstart_is_small():
     ("--multi_step=65", "--multi_step=65: expected in [1, 64]"),
     ("--drain_steps=some", "--drain_steps=some: expected one of multi, cost, single"),
     ("--history_epochs=0", "--history_epochs=0: expected an integer >= 1"),
+    ("--draft_budget=32", "--draft_budget=32: expected an integer in [1, 32)"),
+    ("--draft_budget=0", "--draft_budget=0: expected an integer in [1, 32)"),
+    ("--seed=4294967296", "--seed=4294967296: expected an integer in [0, 2^32)"),
+    ("--seed=-1", "--seed=-1: expected an integer in [0, 2^32)"),
 ])
 def test_bad_values_name_the_flag(flag, message):
   with pytest.raises(ConfigError) as e:

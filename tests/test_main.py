@@ -204,6 +204,59 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
 
 
+def test_prompt_longer_than_max_prompt_len_is_refused_before_anything_is_written(
+    tmp_path, tiny_model):
+  """Every train and eval prompt is measured up front: a too-small --max_prompt_len is a usage
+  error naming the longest prompt, not a failure steps into the run (which would have written
+  run_config.json with the bad value and refused the corrected rerun)."""
+  run_dir = tmp_path / "run"
+  proc = run_main(*tiny_flags(tiny_model, run_dir), "--max_prompt_len=16")
+  assert_one_line_error(proc, 2, "--max_prompt_len=16: the prompt of train example arith-train-",
+                        "raise it to at least")
+  assert not run_dir.exists()
+  proc = run_main(*tiny_flags(tiny_model, run_dir), "--only_check_args")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_mesh_that_the_devices_cannot_hold_is_one_line(tmp_path, tiny_model):
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--mesh_data=3", "--dry_run")
+  assert_one_line_error(proc, 2, "--mesh_data=3 --mesh_fsdp=1 --mesh_tensor=1: ", "devices")
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("run_config.json", '{"fingerprint": "ab", "config": {', "run_config.json: invalid JSON"),
+    ("metrics.jsonl", '{"step": 1\n{"step": 2}\n', "metrics.jsonl:1: invalid JSON"),
+], ids=["run_config", "metrics"])
+def test_unreadable_run_dir_file_is_one_line_and_changes_nothing(tmp_path, tiny_model, name,
+                                                                 content, message):
+  """A resume reads run_config.json and metrics.jsonl back: either one unreadable stops it
+  before anything in the run directory changes."""
+  run_dir = tmp_path / "run"
+  flags = tiny_flags(tiny_model, run_dir)
+  write_run_config(run_dir, parse_flags(flags))
+  (run_dir / name).write_text(content)
+  before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+  proc = run_main(*flags, "--num_steps=2")  # a resumable change: run_config.json would be
+  assert_one_line_error(proc, 1, message)   # rewritten once the inputs pass
+  assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_resume_over_changed_data_is_refused(tmp_path, tiny_model):
+  """The flags name the data, not its contents: a run directory records a fingerprint of its
+  training examples, and a resume over other examples (a dataset file edited in place) stops
+  before anything changes."""
+  run_dir = tmp_path / "run"
+  flags = tiny_flags(tiny_model, run_dir)
+  write_run_config(run_dir, parse_flags(flags), data={"examples": 4, "sha256": "0" * 64})
+  before = (run_dir / "run_config.json").read_bytes()
+  proc = run_main(*flags)
+  assert_one_line_error(proc, 1, "run_config.json: the run's data changed",
+                        '"examples": 4, "sha256": "000', "use a new run directory")
+  assert (run_dir / "run_config.json").read_bytes() == before
+  assert sorted(p.name for p in run_dir.iterdir()) == ["run_config.json"]
+
+
 def test_config_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, tiny_model):
   proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--device_memory_gib=0.000001")
   assert_one_line_error(proc, 2, "does not fit in --device_memory_gib", "parameters",

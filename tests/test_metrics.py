@@ -83,11 +83,14 @@ def test_fresh_run_clears_stale_records(tmp_path):
 def test_corrupt_line_error_names_file_and_line(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-  with pytest.raises(ValueError, match=f"{path}:2: invalid JSON"):
+  with pytest.raises(metrics_lib.MetricsFileError, match=f"{path}:2: invalid JSON"):
     metrics_lib.MetricsWriter(tmp_path, resume_step=3)
   assert path.read_text() == '{"step": 1}\nnot json\n{"step": 3}\n'
   path.write_text('{"loss": 1}\n')
-  with pytest.raises(ValueError, match=f"{path}:1: .*'step'"):
+  with pytest.raises(metrics_lib.MetricsFileError, match=f"{path}:1: .*'step'"):
+    metrics_lib.read_metrics(path)
+  path.write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n')
+  with pytest.raises(metrics_lib.MetricsFileError, match=f"{path}:2: not UTF-8"):
     metrics_lib.read_metrics(path)
 
 

@@ -56,6 +56,30 @@ def test_mismatched_config_names_fields_and_writes_nothing(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
 
 
+def test_data_fingerprint_is_compared_when_stored(tmp_path):
+  from rhyme_jax.data.example import Example, examples_fingerprint
+  ex = [Example("a", "1+1?", "#### 2"), Example("b", "2+2?", "#### 4")]
+  fp = examples_fingerprint(ex)
+  assert fp["examples"] == 2 and fp == examples_fingerprint(list(ex))
+  edited = examples_fingerprint([ex[0], Example("b", "2+3?", "#### 5")])
+  assert edited["sha256"] != fp["sha256"]
+  assert examples_fingerprint(ex[::-1])["sha256"] != fp["sha256"]  # the order is the data too
+  run_config.ensure_run_config(tmp_path, _CONFIG, data=fp)
+  before = (tmp_path / "run_config.json").read_bytes()
+  assert run_config.ensure_run_config(tmp_path, _CONFIG, data=fp) == []
+  with pytest.raises(run_config.RunConfigMismatchError, match=r"the run's data changed \(run "
+                     r"dir has \{\"examples\": 2, \"sha256\": \"" + fp["sha256"]):
+    run_config.ensure_run_config(tmp_path, _CONFIG, data=edited)
+  assert (tmp_path / "run_config.json").read_bytes() == before
+  # a run directory from before data fingerprints: not compared, and recorded from now on
+  old = tmp_path / "old"
+  run_config.write_run_config(old, _CONFIG)
+  assert run_config.ensure_run_config(old, _CONFIG, data=edited) == []
+  assert json.loads((old / "run_config.json").read_text())["data"] == edited
+  with pytest.raises(run_config.RunConfigMismatchError, match="data changed"):
+    run_config.check_run_config(old, _CONFIG, data=fp)
+
+
 def test_ensure_run_config_creates_then_updates_allowed(tmp_path):
   run = tmp_path / "new_run"
   assert run_config.ensure_run_config(run, _CONFIG) == []

@@ -33,3 +33,16 @@ def content_uid(question: str, answer: str, prefix: str = "") -> str:
   """Stable id from the content: the same question/answer always gets the same uid."""
   digest = hashlib.sha1(f"{question}\x00{answer}".encode("utf-8")).hexdigest()[:16]
   return f"{prefix}-{digest}" if prefix else digest
+
+
+def examples_fingerprint(examples) -> dict[str, Any]:
+  """{"examples": N, "sha256": ...} of the examples' ids and texts, in order: what a resumed
+  run compares (run_config.json's "data") so that a dataset edited or swapped between runs,
+  which the flags cannot show, is refused instead of shifting the data order."""
+  h = hashlib.sha256()
+  for e in examples:
+    for part in (e.uid, e.question, e.answer):
+      h.update(part.encode("utf-8"))
+      h.update(b"\x00")
+  return {"examples": len(examples), "sha256": h.hexdigest()}
+

@@ -13,6 +13,7 @@ history store and the step's metrics. `pack_batch` lays a step's samples out for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import zlib
 from typing import Sequence
@@ -20,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from rhyme_jax.data.datasets import Example
+from rhyme_jax.data.prompts import PromptTemplate, render_prompt
 from rhyme_jax.history.store import prompt_key
 
 
@@ -113,6 +115,24 @@ def encode_prompts(texts: Sequence[str], examples: Sequence[Example], epochs: Se
       raise ValueError(f"example {ex.uid}: prompt encodes to no tokens")
     out.append(Prompt(ex, text, tokens, prompt_key(tokens), epoch))
   return out
+
+
+def chat_renderer(tokenizer):
+  """The chat template as the rollout renders prompts: a generation prompt, not tokenized."""
+  return functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True,
+                           tokenize=False)
+
+
+def longest_prompt(examples: Sequence[Example], tokenizer, template: PromptTemplate
+                   ) -> tuple[int, str]:
+  """(tokens, example uid) of the longest of these examples' prompts, rendered and tokenized
+  as the rollout does: what `--max_prompt_len` must hold, checked before a run writes."""
+  if not examples:
+    return 0, ""
+  texts = [render_prompt(e, chat_renderer(tokenizer), template) for e in examples]
+  lengths = [len(ids) for ids in tokenizer.encode_batch(texts)]
+  i = int(np.argmax(lengths))
+  return lengths[i], examples[i].uid
 
 
 def prompt_of(example: Example, tokens, epoch: int = 0, text: str = "") -> Prompt:

@@ -51,6 +51,7 @@ from rhyme_jax import run_config
 from rhyme_jax.config import (LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config, ConfigError,
                               ids_per_step)
 from rhyme_jax.data.datasets import Example, load_examples
+from rhyme_jax.data.example import examples_fingerprint
 from rhyme_jax.data.pipeline import PromptPipeline
 from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template, render_prompt
 from rhyme_jax.models.config import ModelConfig
@@ -64,7 +65,8 @@ from rhyme_jax.rl.rewards import get_reward_fn
 from rhyme_jax.rl.rewards.registry import RewardFn
 from rhyme_jax.rl.rewards.scoring import Scorer
 from rhyme_jax.rl.rollouts import Rollouts, engine_config, eval_metrics, rollout_metrics
-from rhyme_jax.rl.samples import encode_prompts, length_buckets
+from rhyme_jax.rl.samples import (chat_renderer, encode_prompts, length_buckets,
+                                  longest_prompt)
 
 
 @dataclasses.dataclass
@@ -83,8 +85,8 @@ class Inputs:
 def check_inputs(config: Config) -> Inputs:
   """Reads every input's header, cheapest first; errors name the flag, file or line.
 
-  Raises ConfigError (a flag), DatasetError, ModelError or RunConfigMismatchError. Writes
-  nothing and touches no device.
+  Raises ConfigError (a flag), DatasetError, ModelError, RunConfigError or MetricsFileError.
+  Writes nothing and touches no device.
   """
   c = config
   d = c.distributed
@@ -102,8 +104,12 @@ def check_inputs(config: Config) -> Inputs:
   evals = (load_examples(c.data.eval_dataset or c.data.task, "test",
                          data_dir=c.data.data_dir or None)[:c.run.eval_size]
            if c.run.eval_every else [])
-  if (epath.Path(c.run.run_dir) / run_config.RUN_CONFIG_FILE).exists():
-    run_config.check_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
+  run_dir = epath.Path(c.run.run_dir)
+  if (run_dir / run_config.RUN_CONFIG_FILE).exists():
+    run_config.check_run_config(run_dir, c, data=examples_fingerprint(train),
+                                allow_changed=RESUMABLE_CHANGES)
+  if (run_dir / metrics_lib.METRICS_FILE).exists():  # a resume keeps its records: readable?
+    metrics_lib.read_metrics(run_dir / metrics_lib.METRICS_FILE)
   model_config = read_model_config(c.model.model, param_dtype=_param_dtype(c))
   flag = "tokenizer" if c.model.tokenizer else "model"
   try:
@@ -113,8 +119,14 @@ def check_inputs(config: Config) -> Inputs:
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ConfigError(f"--{flag}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
                       f"the model's ({model_config.vocab_size})")
-  return Inputs(reward_fn, train, evals, tokenizer, get_prompt_template(c.data.task),
-                model_config, distributed)
+  template = get_prompt_template(c.data.task)
+  for split, examples in (("train", train), ("eval", evals)):  # before anything is written
+    longest, uid = longest_prompt(examples, tokenizer, template)
+    if longest > c.rollout.max_prompt_len:
+      raise ConfigError(f"--max_prompt_len={c.rollout.max_prompt_len}: the prompt of {split} "
+                        f"example {uid} has {longest} tokens, the most of the "
+                        f"{len(examples)} {split} prompts; raise it to at least {longest}")
+  return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed)
 
 
 def _param_dtype(c: Config):
@@ -124,7 +136,7 @@ def _param_dtype(c: Config):
 def describe_plan(config: Config, inputs: Inputs) -> str:
   """The `--dry_run` report: mesh, shapes compiled, data and a memory estimate."""
   c, m = config, inputs.model_config
-  mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+  mesh = _mesh(c)
   d, v, h = m.hidden_size, m.vocab_size, m.head_dim
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(memory.abstract_params(m)))
   est = memory.estimate(c, m, mesh)
@@ -194,7 +206,8 @@ class Trainer:
             dict(batch_size=c.rl.prompts_per_step, process_index=self.process_index,
                  process_count=self.process_count))
     self.pipeline = PromptPipeline(inputs.train_examples, seed=c.run.seed,
-                                   render_fn=self._render, template=self.template, **part)
+                                   render_fn=chat_renderer(self.tokenizer),
+                                   template=self.template, **part)
     # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
     self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
     model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
@@ -218,15 +231,13 @@ class Trainer:
     self.epoch_stats = EpochStats()
     self._restore()  # refuses a checkpoint this config cannot resume, before the write below
     if self.process_index == 0:  # one writer; the others checked it in check_inputs
-      run_config.ensure_run_config(c.run.run_dir, c, allow_changed=RESUMABLE_CHANGES)
+      run_config.ensure_run_config(c.run.run_dir, c,
+                                   data=examples_fingerprint(inputs.train_examples),
+                                   allow_changed=RESUMABLE_CHANGES)
 
   def _rollout_policy(self):
     """The learner's current parameters as this host's rollout model."""
     return nnx.merge(self.learner.graphdef, self.policy.replica(self.learner.params))
-
-  def _render(self, messages):
-    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=False)
 
   # ---- checkpoints -------------------------------------------------------------------------
 
@@ -299,7 +310,7 @@ class Trainer:
     """Greedy decoding on the held-out examples (each host a share): mean reward, accuracy."""
     t0 = time.perf_counter()
     mine = self.eval_examples[self.process_index::self.process_count]
-    texts = [render_prompt(e, self._render, self.template) for e in mine]
+    texts = [render_prompt(e, chat_renderer(self.tokenizer), self.template) for e in mine]
     prompts = encode_prompts(texts, mine, [0] * len(texts), self.tokenizer,
                              self.config.rollout.max_prompt_len)
     parts = multihost.allgather_json(self.rollouts.evaluate(prompts, self.step))
@@ -368,8 +379,8 @@ def _encode(batch, tokenizer, c: Config) -> list:
 def _mesh(c: Config):
   """The training mesh; with several processes each must hold its own batch rows, and request
   ids (int32) must stay in range over all of them."""
-  mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
   try:
+    mesh = parallel.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     parallel.check_process_rows(mesh)
   except ValueError as e:
     raise ConfigError(f"--mesh_data={c.mesh.data} --mesh_fsdp={c.mesh.fsdp} "
