@@ -272,7 +272,7 @@ class RunCheckpointer:
     )
 
   def restore_latest(self, *, abstract_params: Any = None, abstract_opt_state: Any = None,
-                     warn=None) -> RunState | None:
+                     warn=None, agree=None) -> RunState | None:
     """The newest checkpoint that restores whole, or None when there is none.
 
     Steps are tried newest first. When an older one restores, every newer one that failed
@@ -282,35 +282,61 @@ class RunCheckpointer:
     moved and `CheckpointError` names the directory and the newest failure: a failure of every
     step is more likely a mismatch with this program (a changed model or optimizer structure)
     than corruption of them all, and moving them aside would make the next run start over.
+
+    `agree` (several processes: `multihost.allgather_json`) makes the processes settle on one
+    outcome: each reads its own shards, so one may fail a step the others restored. Then
+    every process raises `CheckpointError` (nothing moved) rather than train from different
+    steps; a step that failed anywhere is moved aside (by process 0) only once all restored
+    the same older one, and all of them see the move before they go on.
     """
     steps = self.all_steps()
-    failed: list[tuple[int, CheckpointError]] = []
+    failed: dict[int, str] = {}
+    state = None
     for step in reversed(steps):
       try:
         state = self.restore(step, abstract_params=abstract_params,
                              abstract_opt_state=abstract_opt_state)
+        break
       except CheckpointError as e:
-        failed.append((step, e))
-        continue
-      for bad, e in failed:
-        moved = self._quarantine(bad)
-        if warn is not None:
-          warn(f"warning: checkpoint step {bad} is unreadable (moved to {moved}); resuming "
-               f"from step {step}: {e}")
-      return state
-    if failed:
-      raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps} "
-                            f"(none moved); newest failure: {failed[0][1]}")
-    return None
+        failed[step] = str(e)
+    found = None if state is None else state.step
+    bad = sorted(failed, reverse=True)
+    if agree is not None:
+      views = agree({"step": found, "failed": bad})
+      if any(v["step"] != found for v in views):
+        raise CheckpointError(
+            f"{self.directory}: the processes restored different checkpoints (step by "
+            f"process: {[v['step'] for v in views]}; unreadable by process: "
+            f"{[v['failed'] for v in views]}); none moved: each process reads its own shards, "
+            "so check the files of the steps one of them could not read")
+      bad = sorted({s for v in views for s in v["failed"]}, reverse=True)
+    if found is None:
+      if bad:
+        newest = failed.get(bad[0], f"step {bad[0]} is unreadable on another process")
+        raise CheckpointError(f"{self.directory}: no readable checkpoint among steps {steps} "
+                              f"(none moved); newest failure: {newest}")
+      return None
+    for step in bad:
+      moved = self._quarantine(step)
+      if warn is not None:
+        why = failed.get(step, "unreadable on another process")
+        warn(f"warning: checkpoint step {step} is unreadable (moved to {moved}); resuming "
+             f"from step {found}: {why}")
+    if bad:
+      if agree is not None:
+        agree(None)  # a barrier: process 0's moves are done before any process lists again
+      self._manager.reload()
+    return state
 
   def _quarantine(self, step: int) -> epath.Path:
+    """Moves a step aside (process 0; the others name the same target); no reload."""
     target = self.run_dir / CORRUPT_SUBDIR / str(step)
-    if jax.process_index() == 0:
-      target.parent.mkdir(parents=True, exist_ok=True)
-      if target.exists():  # an earlier quarantine of the same step: keep the newest
-        target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
-      (self.directory / str(step)).rename(target)
-    self._manager.reload()
+    if jax.process_index() != 0:
+      return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # an earlier quarantine of the same step: keep the newest
+      target = target.parent / f"{step}.{len(list(target.parent.iterdir()))}"
+    (self.directory / str(step)).rename(target)
     return target
 
   def wait(self) -> None:

@@ -61,9 +61,9 @@ def _config():
 
 def _checked_inputs(config):
   # Imported here so `--help` and flag errors do not pay for importing JAX.
-  from rhyme_jax.rl import trainer
+  from rhyme_jax.rl import inputs
   try:
-    return trainer.check_inputs(config)
+    return inputs.check_inputs(config)
   except ConfigError as e:
     _fail(USAGE_ERROR, str(e))
   except _input_errors() as e:

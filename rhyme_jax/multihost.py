@@ -149,17 +149,19 @@ def any_process(flag: bool) -> bool:
   return any(allgather_json(bool(flag)))
 
 
-def check_agree(values: dict[str, Any]) -> None:
+def check_agree(values: dict[str, Any], what: str = "--{}: processes of one run must pass the "
+                "same value") -> None:
   """Raises ValueError naming the first of `values` ({flag: this process's value}, JSON-able)
   that differs between processes (a collective; nothing to compare with one process).
 
   For settings a run may change when it resumes but every process must share: they decide
   which collectives a step enters (an evaluation, a checkpoint's gather, --balance_hosts'
   exchange per round) and how the prompt stream is split, so processes launched with
-  different values would hang in different collectives or read other hosts' data."""
+  different values would hang in different collectives or read other hosts' data. `what`
+  words the error for a key (other than flags: fingerprints of the config or the data)."""
   gathered = allgather_json(values)
   for flag in values:
     seen = [g[flag] for g in gathered]
     if any(v != seen[0] for v in seen):
       differ = ", ".join(f"process {p}: {v!r}" for p, v in enumerate(seen))
-      raise ValueError(f"--{flag}: processes of one run must pass the same value ({differ})")
+      raise ValueError(f"{what.format(flag)} ({differ})")

@@ -73,6 +73,12 @@ def config_fingerprint(config: Any) -> str:
   return hashlib.sha256(canon.encode()).hexdigest()
 
 
+def fingerprint_without(config: Any, exclude: Iterable[str]) -> str:
+  """sha256 of `config` less the fields named (dotted names or prefixes) in `exclude`."""
+  flat = _flatten(_normalize(config, ""))
+  return config_fingerprint({k: v for k, v in sorted(flat.items()) if not _allowed(k, exclude)})
+
+
 def _config_path(run_dir: str | os.PathLike) -> epath.Path:
   return epath.Path(run_dir) / RUN_CONFIG_FILE
 

@@ -326,6 +326,57 @@ def test_newer_unreadable_steps_move_aside_once_an_older_one_restores(tmp_path):
   assert sorted(p.name for p in (tmp_path / "corrupt_checkpoints").iterdir()) == ["2", "3"]
 
 
+class _Pod:
+  """`agree` as `multihost.allgather_json` answers on process 0 of two, the other process's
+  restore outcome given: records what went through it."""
+
+  def __init__(self, other):
+    self.other, self.calls = other, []
+
+  def __call__(self, mine):
+    self.calls.append(mine)
+    return [mine, self.other if mine is not None else None]
+
+
+def _unreadable(ckdir, *steps):
+  for step in steps:
+    for p in (ckdir / str(step) / "host").rglob("*"):
+      if p.is_file():
+        p.write_text("[")
+
+
+def test_processes_that_restore_different_steps_stop_together_and_move_nothing(tmp_path):
+  """Each process reads its own shards: where one could not read step 3 and fell back to 2
+  while this one restored 3, all stop (one line) instead of training from different steps."""
+  _three_steps(tmp_path)
+  pod = _Pod({"step": 2, "failed": [3]})
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    with pytest.raises(ckpt.CheckpointError, match=r"the processes restored different "
+                       r"checkpoints \(step by process: \[3, 2\]; unreadable by process: "
+                       r"\[\[\], \[3\]\]\); none moved"):
+      cp.restore_latest(abstract_params=_params(0), agree=pod, warn=pytest.fail)
+    assert cp.all_steps() == [1, 2, 3]
+  assert pod.calls == [{"step": 3, "failed": []}]
+
+
+def test_a_step_unreadable_on_another_process_moves_aside_after_all_agree(tmp_path):
+  ckdir = _three_steps(tmp_path)
+  _unreadable(ckdir, 3)
+  pod, warnings = _Pod({"step": 2, "failed": [3]}), []
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    state = cp.restore_latest(abstract_params=_params(0), agree=pod, warn=warnings.append)
+    assert state.step == 2 and cp.all_steps() == [1, 2]
+  # the outcome exchanged, then a barrier before any process lists the steps again
+  assert pod.calls == [{"step": 2, "failed": [3]}, None]
+  assert len(warnings) == 1 and "step 3 is unreadable" in warnings[0]
+  # every process sees no readable step: the same one-line error everywhere, nothing moved
+  _unreadable(ckdir, 1, 2)
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    with pytest.raises(ckpt.CheckpointError, match="none moved"):
+      cp.restore_latest(agree=_Pod({"step": None, "failed": [2, 1]}))
+    assert cp.all_steps() == [1, 2]
+
+
 def test_run_dir_as_epath(tmp_path):
   """The run directory through etils.epath (what a gs:// URI goes through): save, restore and
   moving an unreadable checkpoint aside."""

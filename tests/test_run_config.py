@@ -80,6 +80,19 @@ def test_data_fingerprint_is_compared_when_stored(tmp_path):
     run_config.check_run_config(old, _CONFIG, data=fp)
 
 
+def test_fingerprint_without_the_host_local_fields():
+  """What every process of a run must share, compared at start-up as one digest: the fields
+  a host may set its own way (its engine's, its process id) are left out."""
+  from rhyme_jax.config import HOST_LOCAL_FIELDS, LOCKSTEP_FIELDS, parse_flags
+  base = ["--run_dir=r", "--num_processes=2", "--coordinator_address=h:1"]
+  fp = lambda *flags: run_config.fingerprint_without(parse_flags(base + list(flags)),
+                                                     HOST_LOCAL_FIELDS)
+  assert fp("--process_id=0") == fp("--process_id=1", "--attention=pallas", "--multi_step=4")
+  assert fp("--process_id=0") != fp("--process_id=1", "--seed=1")
+  assert fp("--process_id=0") != fp("--process_id=1", "--num_steps=7")  # lockstep ones too
+  assert not set(HOST_LOCAL_FIELDS) & set(LOCKSTEP_FIELDS) and "distributed" in HOST_LOCAL_FIELDS
+
+
 def test_ensure_run_config_creates_then_updates_allowed(tmp_path):
   run = tmp_path / "new_run"
   assert run_config.ensure_run_config(run, _CONFIG) == []

@@ -2,6 +2,7 @@
 
 `Trainer.run` is the loop; each piece it calls lives in its own module:
 
+  inputs.py           what the run reads, checked before anything is written (`check_inputs`)
   samples.py          prompts, samples and the train step's sequence layout
   rollouts.py         prompts x G samples through the `RolloutEngine` (HistoSpec drafts from
                       the previous epoch's responses when `--spec=histospec`; admitted in the
@@ -24,12 +25,13 @@ data-iterator state, parameters, optimiser state and history store ride in the c
 the RNG "state" is the seed itself (sampling keys are functions of seed, request id and
 position), so a resumed run samples what an uninterrupted one would (its updates agree to
 float32 rounding: rollouts.TIMING_DEPENDENT_METRICS says why). SIGTERM (to any process)
-saves at the next step boundary.
+saves at the next step boundary; one during start-up stops the run before its first step.
+Several processes settle on one checkpoint to restore (`restore_latest(agree=...)`) and
+check at start-up that they share every flag but the host-local ones, and the data.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 import signal
@@ -39,7 +41,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from absl import logging as absl_logging
 from etils import epath
 from flax import nnx
@@ -48,89 +49,20 @@ from rhyme_jax import checkpoint as ckpt_lib
 from rhyme_jax import metrics as metrics_lib
 from rhyme_jax import multihost, parallel
 from rhyme_jax import run_config
-from rhyme_jax.config import (LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config, ConfigError,
-                              ids_per_step)
-from rhyme_jax.data.datasets import Example, load_examples
+from rhyme_jax.config import (HOST_LOCAL_FIELDS, LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config,
+                              ConfigError, ids_per_step)
 from rhyme_jax.data.example import examples_fingerprint
 from rhyme_jax.data.pipeline import PromptPipeline
-from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template, render_prompt
-from rhyme_jax.models.config import ModelConfig
-from rhyme_jax.models.loading import ModelError, load_model, read_model_config
+from rhyme_jax.data.prompts import render_prompt
+from rhyme_jax.models.loading import load_model
 from rhyme_jax.models.sharding import param_shardings
-from rhyme_jax.models.tokenizer import load_tokenizer
 from rhyme_jax.rl import hosts, memory
 from rhyme_jax.rl.epoch_stats import EpochStats
+from rhyme_jax.rl.inputs import Inputs, check_inputs, param_dtype
 from rhyme_jax.rl.learner import Learner
-from rhyme_jax.rl.rewards import get_reward_fn
-from rhyme_jax.rl.rewards.registry import RewardFn
 from rhyme_jax.rl.rewards.scoring import Scorer
 from rhyme_jax.rl.rollouts import Rollouts, engine_config, eval_metrics, rollout_metrics
-from rhyme_jax.rl.samples import (chat_renderer, encode_prompts, length_buckets,
-                                  longest_prompt)
-
-
-@dataclasses.dataclass
-class Inputs:
-  """Everything the user points the run at, read and checked; nothing written yet."""
-
-  reward_fn: RewardFn
-  train_examples: list[Example]
-  eval_examples: list[Example]
-  tokenizer: Any
-  template: PromptTemplate
-  model_config: ModelConfig
-  distributed: dict[str, Any] | None  # jax.distributed.initialize arguments; None: one process
-
-
-def check_inputs(config: Config) -> Inputs:
-  """Reads every input's header, cheapest first; errors name the flag, file or line.
-
-  Raises ConfigError (a flag), DatasetError, ModelError, RunConfigError or MetricsFileError.
-  Writes nothing and touches no device.
-  """
-  c = config
-  d = c.distributed
-  try:
-    distributed = parallel.distributed_settings(d.coordinator_address, d.num_processes,
-                                                d.process_id)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
-  try:
-    reward_fn = get_reward_fn(c.reward_name)
-  except ValueError as e:
-    raise ConfigError(f"--reward={c.reward_name}: {e}") from e
-  train = load_examples(c.data.dataset or c.data.task, "train", data_dir=c.data.data_dir or None,
-                        train_size=c.data.train_size)
-  evals = (load_examples(c.data.eval_dataset or c.data.task, "test",
-                         data_dir=c.data.data_dir or None)[:c.run.eval_size]
-           if c.run.eval_every else [])
-  run_dir = epath.Path(c.run.run_dir)
-  if (run_dir / run_config.RUN_CONFIG_FILE).exists():
-    run_config.check_run_config(run_dir, c, data=examples_fingerprint(train),
-                                allow_changed=RESUMABLE_CHANGES)
-  if (run_dir / metrics_lib.METRICS_FILE).exists():  # a resume keeps its records: readable?
-    metrics_lib.read_metrics(run_dir / metrics_lib.METRICS_FILE)
-  model_config = read_model_config(c.model.model, param_dtype=_param_dtype(c))
-  flag = "tokenizer" if c.model.tokenizer else "model"
-  try:
-    tokenizer = load_tokenizer(c.model.tokenizer or c.model.model)
-  except (ValueError, OSError) as e:
-    raise ModelError(f"--{flag}={c.model.tokenizer or c.model.model}: {e}") from e
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ConfigError(f"--{flag}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
-                      f"the model's ({model_config.vocab_size})")
-  template = get_prompt_template(c.data.task)
-  for split, examples in (("train", train), ("eval", evals)):  # before anything is written
-    longest, uid = longest_prompt(examples, tokenizer, template)
-    if longest > c.rollout.max_prompt_len:
-      raise ConfigError(f"--max_prompt_len={c.rollout.max_prompt_len}: the prompt of {split} "
-                        f"example {uid} has {longest} tokens, the most of the "
-                        f"{len(examples)} {split} prompts; raise it to at least {longest}")
-  return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed)
-
-
-def _param_dtype(c: Config):
-  return None if c.model.param_dtype == "float32" else jnp.bfloat16
+from rhyme_jax.rl.samples import chat_renderer, encode_prompts, length_buckets
 
 
 def describe_plan(config: Config, inputs: Inputs) -> str:
@@ -190,9 +122,18 @@ class Trainer:
     d = c.distributed
     parallel.maybe_initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    # Ours from here (jax.distributed installs a handler that only logs): a SIGTERM during
+    # start-up (weights, warm-up, restore) stops the run before its first step.
+    self._stop_signal, self._sigterm_before = None, None
+    if threading.current_thread() is threading.main_thread():
+      self._sigterm_before = signal.signal(signal.SIGTERM, self._on_sigterm)
     try:  # before anything is written: a mismatch would hang or mix hosts' data later
       multihost.check_agree({f.split(".")[-1]: operator.attrgetter(f)(c)
                              for f in LOCKSTEP_FIELDS})
+      multihost.check_agree({
+          "flags": run_config.fingerprint_without(c, HOST_LOCAL_FIELDS)[:12],
+          "training examples": examples_fingerprint(inputs.train_examples)["sha256"][:12]},
+          what="the {} of every process of a run must be the same (sha256 by process)")
     except ValueError as e:
       raise ConfigError(str(e)) from e
     self.mesh = _mesh(c)
@@ -210,7 +151,7 @@ class Trainer:
                                    template=self.template, **part)
     # Refuses, naming the parts, a run that cannot fit, before weights load or anything is written.
     self.memory = memory.check_fits(c, inputs.model_config, self.mesh)
-    model, _ = load_model(c.model.model, param_dtype=_param_dtype(c), mesh=self.mesh)
+    model, _ = load_model(c.model.model, param_dtype=param_dtype(c), mesh=self.mesh)
 
     self.learner = Learner(c, model, self.mesh, inputs.model_config)
     # Rollout runs on this host's devices, on a replica of the policy (rhyme_jax.multihost).
@@ -227,7 +168,6 @@ class Trainer:
                                                  save_every=c.run.checkpoint_every)
     self.step = 0
     self.data_iter = iter(self.pipeline)
-    self._stop_signal = None
     self.epoch_stats = EpochStats()
     self._restore()  # refuses a checkpoint this config cannot resume, before the write below
     if self.process_index == 0:  # one writer; the others checked it in check_inputs
@@ -244,7 +184,8 @@ class Trainer:
   def _restore(self):
     warn = lambda msg: print(msg, file=sys.stderr)
     state = self.checkpointer.restore_latest(abstract_params=self.learner.params,
-                                             abstract_opt_state=self.learner.opt_state, warn=warn)
+                                             abstract_opt_state=self.learner.opt_state, warn=warn,
+                                             agree=multihost.allgather_json)
     if state is None:
       return
     self.learner.params, self.learner.opt_state, self.step = (state.params, state.opt_state,
@@ -320,16 +261,16 @@ class Trainer:
 
   def _on_sigterm(self, signum, frame):
     del frame
-    self._stop_signal = signum
-    print(f"received signal {signum}: saving a checkpoint after step {self.step + 1} and "
-          "stopping", file=sys.stderr)
+    self._stop_signal = signum  # only this: printing here can re-enter a blocked stderr write
 
   def _stopping(self) -> bool:
     """Whether a stop signal arrived; with several processes, whether any got one (all hosts
     must leave at the same step boundary or the next collective hangs)."""
     stop = multihost.any_process(self._stop_signal is not None)
-    if stop and self._stop_signal is None:
-      self._stop_signal = signal.SIGTERM
+    if stop:
+      print(f"received signal {self._stop_signal or 'on another process'}: stopping at step "
+            f"{self.step}", file=sys.stderr)
+      self._stop_signal = self._stop_signal or signal.SIGTERM
     return stop
 
   def run(self) -> list[dict[str, Any]]:
@@ -341,11 +282,10 @@ class Trainer:
     progress = metrics_lib.Progress(c.run.num_steps, start_step=start,
                                     keys=("reward/mean", "accuracy", "eval/accuracy",
                                           "rollout/mean_accepted_length", "time/step"))
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
     history = []
+    stopping = self._stopping()  # a signal during start-up: its last checkpoint stands
     try:
-      while self.step < c.run.num_steps:
+      while not stopping and self.step < c.run.num_steps:
         self.step += 1
         m = self.train_step()
         if c.run.eval_every and self.step % c.run.eval_every == 0:
@@ -356,17 +296,18 @@ class Trainer:
         self.save(force=self.step == c.run.num_steps or stopping)
         if primary and (self.step % c.run.log_every == 0 or self.step == c.run.num_steps):
           progress.update(self.step, m)
-        if stopping:
-          break
     finally:
-      if main_thread:
-        signal.signal(signal.SIGTERM, previous)
-      progress.close()
-      writer.close()
-      self.checkpointer.close()
+      try:
+        self.checkpointer.close()  # first: the stop checkpoint commits before anything else
+      finally:
+        progress.close()
+        writer.close()
+        if self._sigterm_before is not None:  # only now: a second SIGTERM cannot cut the commit
+          signal.signal(signal.SIGTERM, self._sigterm_before)
     if self._stop_signal is not None:
-      print(f"stopped at step {self.step} (checkpoint saved); rerun the same command to "
-            "resume", file=sys.stderr)
+      saved = "checkpoint saved" if self.step else "before the first step"
+      print(f"stopped at step {self.step} ({saved}); rerun the same command to resume",
+            file=sys.stderr)
     return history
 
 

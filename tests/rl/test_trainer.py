@@ -66,7 +66,7 @@ def test_children_import_this_checkout():
   assert proc.stdout.strip() == os.path.join(REPO, "rhyme_jax", "__init__.py"), proc.stderr
 
 
-def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
+def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path, monkeypatch):
   train_entry.register_test_reward()
   from flax import nnx
   from rhyme_jax.rl import trainer
@@ -112,6 +112,23 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path):
   assert t.checkpointer.all_steps() == [1, 2]
   cfg = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
   assert cfg["rollout"]["spec"] == "histospec"
+
+  # Resumed for a third step, a SIGTERM during start-up (here in the engine's warm-up, where
+  # jax.distributed's own handler would only log it) stops the run before that step: the
+  # restored checkpoint stands, nothing is added, the handler before the run is back.
+  warmup = trainer.Rollouts.warmup
+  def warmup_then_sigterm(rollouts):
+    warmup(rollouts)
+    os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(trainer.Rollouts, "warmup", warmup_then_sigterm)
+  handler = signal.getsignal(signal.SIGTERM)
+  t = trainer.Trainer(parse_flags(tiny_flags(tiny_model, tmp_path / "run", "--num_steps=3",
+                                             "--checkpoint_every=1", "--eval_every=2",
+                                             "--eval_size=3")))
+  assert t.step == 2 and t.run() == []
+  assert t.checkpointer.all_steps() == [1, 2]
+  assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+  assert signal.getsignal(signal.SIGTERM) is handler
 
 
 @pytest.mark.slow

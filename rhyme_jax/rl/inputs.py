@@ -1,0 +1,94 @@
+"""The run's inputs, read and checked before anything is written: `check_inputs`.
+
+Everything the user points a run at (flags that need the data or the model to judge, the
+datasets, the model's header and tokenizer, every prompt's length, a resumed run directory's
+run_config.json and metrics.jsonl) is read here, cheapest first, so that a bad one ends in one
+line naming the flag, file, line or example before the run directory is created or changed
+(`rhyme_jax.main` maps these errors to exit statuses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from etils import epath
+
+from rhyme_jax import metrics as metrics_lib
+from rhyme_jax import parallel, run_config
+from rhyme_jax.config import RESUMABLE_CHANGES, Config, ConfigError
+from rhyme_jax.data.datasets import Example, load_examples
+from rhyme_jax.data.example import examples_fingerprint
+from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template
+from rhyme_jax.models.config import ModelConfig
+from rhyme_jax.models.loading import ModelError, read_model_config
+from rhyme_jax.models.tokenizer import load_tokenizer
+from rhyme_jax.rl.rewards import get_reward_fn
+from rhyme_jax.rl.rewards.registry import RewardFn
+from rhyme_jax.rl.samples import longest_prompt
+
+
+@dataclasses.dataclass
+class Inputs:
+  """Everything the user points the run at, read and checked; nothing written yet."""
+
+  reward_fn: RewardFn
+  train_examples: list[Example]
+  eval_examples: list[Example]
+  tokenizer: Any
+  template: PromptTemplate
+  model_config: ModelConfig
+  distributed: dict[str, Any] | None  # jax.distributed.initialize arguments; None: one process
+
+
+def check_inputs(config: Config) -> Inputs:
+  """Reads every input's header, cheapest first; errors name the flag, file or line.
+
+  Raises ConfigError (a flag), DatasetError, ModelError, RunConfigError or MetricsFileError.
+  Writes nothing and touches no device.
+  """
+  c = config
+  d = c.distributed
+  try:
+    distributed = parallel.distributed_settings(d.coordinator_address, d.num_processes,
+                                                d.process_id)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  try:
+    reward_fn = get_reward_fn(c.reward_name)
+  except ValueError as e:
+    raise ConfigError(f"--reward={c.reward_name}: {e}") from e
+  train = load_examples(c.data.dataset or c.data.task, "train", data_dir=c.data.data_dir or None,
+                        train_size=c.data.train_size)
+  evals = (load_examples(c.data.eval_dataset or c.data.task, "test",
+                         data_dir=c.data.data_dir or None)[:c.run.eval_size]
+           if c.run.eval_every else [])
+  run_dir = epath.Path(c.run.run_dir)
+  if (run_dir / run_config.RUN_CONFIG_FILE).exists():
+    run_config.check_run_config(run_dir, c, data=examples_fingerprint(train),
+                                allow_changed=RESUMABLE_CHANGES)
+  if (run_dir / metrics_lib.METRICS_FILE).exists():  # a resume keeps its records: readable?
+    metrics_lib.read_metrics(run_dir / metrics_lib.METRICS_FILE)
+  model_config = read_model_config(c.model.model, param_dtype=param_dtype(c))
+  flag = "tokenizer" if c.model.tokenizer else "model"
+  try:
+    tokenizer = load_tokenizer(c.model.tokenizer or c.model.model)
+  except (ValueError, OSError) as e:
+    raise ModelError(f"--{flag}={c.model.tokenizer or c.model.model}: {e}") from e
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(f"--{flag}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
+                      f"the model's ({model_config.vocab_size})")
+  template = get_prompt_template(c.data.task)
+  for split, examples in (("train", train), ("eval", evals)):  # before anything is written
+    longest, uid = longest_prompt(examples, tokenizer, template)
+    if longest > c.rollout.max_prompt_len:
+      raise ConfigError(f"--max_prompt_len={c.rollout.max_prompt_len}: the prompt of {split} "
+                        f"example {uid} has {longest} tokens, the most of the "
+                        f"{len(examples)} {split} prompts; raise it to at least {longest}")
+  return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed)
+
+
+def param_dtype(c: Config):
+  """The parameters' dtype for the model loaders: None keeps the checkpoint's float32."""
+  return None if c.model.param_dtype == "float32" else jnp.bfloat16
