@@ -87,10 +87,15 @@ def generate_arithmetic(num_examples: int, seed: int = 0, *, ops: Sequence[str] 
   rng = random.Random(seed)
   seen = set(exclude)
   examples = []
+  repeats = 0  # draws in a row that found nothing new: near the end of the problem space
   for _ in range(num_examples * 200):
     question, answer, target, params = make_problem(rng, ops, max_add, max_mul)
     if question in seen:
+      repeats += 1
+      if repeats > 20_000:
+        break
       continue
+    repeats = 0
     seen.add(question)
     uid = f"{uid_prefix}-{seed}-{len(examples)}"
     examples.append(Example(uid=uid, question=question, answer=answer,

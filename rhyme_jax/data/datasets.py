@@ -53,6 +53,11 @@ def _validate_record(record: Any, where: str, required: Sequence[str]) -> dict:
     if not isinstance(value, str) or not value.strip():
       raise DatasetError(f"{where}: field {name!r} must be a non-empty string, got "
                          f"{value!r:.80}")
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate escape ("\ud83d"): no text can hold it
+      raise DatasetError(f"{where}: field {name!r} holds an unpaired surrogate "
+                         f"{value[e.start]!r} at character {e.start}") from e
   return record
 
 
@@ -75,8 +80,14 @@ def read_jsonl(path: str | os.PathLike, required: Sequence[str] = REQUIRED_FIELD
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
+        if not records and line.lstrip().startswith("["):  # one JSON array, not JSON Lines
+          raise DatasetError(f"{path}:{line_no}: a JSON array; expected JSON Lines (one "
+                             "object per line)") from e
         raise DatasetError(f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno})"
                            ) from e
+      if isinstance(record, list) and record and all(isinstance(r, dict) for r in record):
+        raise DatasetError(f"{path}:{line_no}: a JSON array; expected JSON Lines (one object "
+                           "per line)")
       records.append((line_no, _validate_record(record, f"{path}:{line_no}", required)))
   if not records:
     raise DatasetError(f"{path}: dataset is empty (no records)")

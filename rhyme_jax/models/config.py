@@ -63,6 +63,11 @@ class ModelConfig:
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"ModelConfig.arch={self.arch!r}: expected one of {ARCHITECTURES}")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{field}={value!r}: expected an integer >= 1")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} must be a multiple of "

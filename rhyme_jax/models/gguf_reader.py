@@ -97,6 +97,12 @@ class GGUFFile:
   def config(self, **overrides) -> ModelConfig:
     """A `ModelConfig` from the `{arch}.*` metadata keys and the tensors present."""
     arch_name = self.architecture
+    unsupported = sorted({(t.tensor_type.name, t.name) for t in self.reader.tensors
+                          if t.tensor_type.name not in SUPPORTED_TYPES})
+    if unsupported:  # found from the header, before any weight is read
+      kind, name = unsupported[0]
+      raise ValueError(f"{self.path}: tensor {name!r} has unsupported type {kind}; "
+                       f"supported: {', '.join(SUPPORTED_TYPES)}")
     if arch_name not in _ARCH:
       raise ValueError(f"{self.path}: field 'general.architecture' has unsupported value "
                        f"{arch_name!r}; supported: {sorted(_ARCH)}")

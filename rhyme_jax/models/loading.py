@@ -213,6 +213,9 @@ def build_model(cfg: ModelConfig, read: Reader, *, mesh=None) -> Transformer:
   def load(key_path, spec):
     path = _param_path(key_path)
     x, name, fname = read(path)
+    if x.dtype.kind in "iub":  # a cast would make a garbage model of quantized integer codes
+      raise ModelError(f"{fname}: tensor {name!r} has integer dtype {x.dtype}; quantized "
+                       "checkpoints (e.g. bitsandbytes) are not supported: use a float one")
     transpose = _is_transposed(path) and len(spec.shape) == 2
     want = tuple(reversed(spec.shape)) if transpose else tuple(spec.shape)
     if tuple(x.shape) != want:
@@ -307,8 +310,12 @@ def read_model_config(name_or_path: str | os.PathLike, *, param_dtype=None) -> M
   except ModelError:
     raise
   except (ValueError, KeyError, OSError) as e:  # the readers' messages name file and field
-    raise ModelError(str(e) if not isinstance(e, KeyError) else
-                     f"{name_or_path}: missing field {e}") from e
+    msg = str(e) if not isinstance(e, KeyError) else f"missing field {e}"
+    where = os.fspath(name_or_path)
+    raise ModelError(msg if where in msg or "/" in msg.split(":")[0] else f"{where}: {msg}"
+                     ) from e
+  except (TypeError, AttributeError, ZeroDivisionError) as e:  # a field of the wrong type or 0
+    raise ModelError(f"{name_or_path}: malformed model config ({type(e).__name__}: {e})") from e
 
 
 def _normalize_hf_config(hf: dict, source: str) -> dict:
@@ -339,7 +346,10 @@ def load_gguf(path: "str | os.PathLike | GGUFFile", *, param_dtype=None,
     name = gguf_name(p)
     if name not in g.tensors:
       raise ModelError(f"{g.path}: missing tensor {name!r}")
-    return g.tensor(name, cfg), name, g.path
+    try:
+      return g.tensor(name, cfg), name, g.path
+    except ValueError as e:  # its message names the file and the tensor
+      raise ModelError(str(e)) from e
 
   return build_model(cfg, read, mesh=mesh), cfg
 

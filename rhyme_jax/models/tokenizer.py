@@ -146,7 +146,10 @@ class Tokenizer:
     tj = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(tj):
       raise FileNotFoundError(f"{directory}: no tokenizer.json")
-    backend = tokenizers.Tokenizer.from_file(tj)
+    try:
+      backend = tokenizers.Tokenizer.from_file(tj)
+    except Exception as e:  # the Rust parser raises a bare Exception  # pylint: disable=broad-except
+      raise ValueError(f"{tj}: cannot read the tokenizer ({e})") from e
     conf_path = os.path.join(directory, "tokenizer_config.json")
     conf = {}
     if os.path.isfile(conf_path):
@@ -247,8 +250,8 @@ class Tokenizer:
     return self.encode(text) if tokenize else text
 
 
-class _TemplateError(Exception):
-  pass
+class _TemplateError(ValueError):
+  """A chat template's own `raise_exception(...)` (e.g. roles that must alternate)."""
 
 
 def _raise_exception(message):

@@ -13,12 +13,13 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import jinja2
 from etils import epath
 
 from rhyme_jax import metrics as metrics_lib
 from rhyme_jax import parallel, run_config
 from rhyme_jax.config import RESUMABLE_CHANGES, Config, ConfigError
-from rhyme_jax.data.datasets import Example, load_examples
+from rhyme_jax.data.datasets import DatasetError, Example, load_examples
 from rhyme_jax.data.example import examples_fingerprint
 from rhyme_jax.data.prompts import PromptTemplate, get_prompt_template
 from rhyme_jax.models.config import ModelConfig
@@ -64,7 +65,11 @@ def check_inputs(config: Config) -> Inputs:
   evals = (load_examples(c.data.eval_dataset or c.data.task, "test",
                          data_dir=c.data.data_dir or None)[:c.run.eval_size]
            if c.run.eval_every else [])
+  for split, examples in (("train", train), ("eval", evals)):
+    _check_references(reward_fn, examples, split, c.reward_name)
   run_dir = epath.Path(c.run.run_dir)
+  if run_dir.exists() and not run_dir.is_dir():
+    raise ConfigError(f"--run_dir={c.run.run_dir}: exists and is not a directory")
   if (run_dir / run_config.RUN_CONFIG_FILE).exists():
     run_config.check_run_config(run_dir, c, data=examples_fingerprint(train),
                                 allow_changed=RESUMABLE_CHANGES)
@@ -81,12 +86,33 @@ def check_inputs(config: Config) -> Inputs:
                       f"the model's ({model_config.vocab_size})")
   template = get_prompt_template(c.data.task)
   for split, examples in (("train", train), ("eval", evals)):  # before anything is written
-    longest, uid = longest_prompt(examples, tokenizer, template)
+    try:
+      longest, uid = longest_prompt(examples, tokenizer, template)
+    except (ValueError, jinja2.TemplateError) as e:  # no template, or one that cannot render
+      why = str(e) if str(e).startswith("chat template") else f"chat template: {e}"
+      raise ModelError(f"--{flag}={c.model.tokenizer or c.model.model}: {why}") from e
     if longest > c.rollout.max_prompt_len:
       raise ConfigError(f"--max_prompt_len={c.rollout.max_prompt_len}: the prompt of {split} "
                         f"example {uid} has {longest} tokens, the most of the "
                         f"{len(examples)} {split} prompts; raise it to at least {longest}")
   return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed)
+
+
+# A final answer in each form the rewards read (boxed, '####'), so that scoring it parses the
+# example's reference: an answer the reward cannot read fails here, not steps into the run.
+_PROBE_COMPLETION = "The answer is \\boxed{0}.\n#### 0"
+
+
+def _check_references(reward_fn: RewardFn, examples, split: str, name: str) -> None:
+  """Every example's reference answer, as the reward reads it (math_verify: ~1 ms each)."""
+  for e in examples:
+    try:
+      reward_fn.score(_PROBE_COMPLETION, e)
+    except ValueError as err:
+      meta = e.meta or {}
+      where = (f"{meta['source']}:{meta['line']}" if "source" in meta and "line" in meta
+               else f"{split} example {e.uid}")
+      raise DatasetError(f"{where}: --reward={name}: {err}") from err
 
 
 def param_dtype(c: Config):

@@ -145,3 +145,21 @@ def test_non_utf8_byte_names_file_and_line(tmp_path):
                    b'"answer": "#### 4"}\n')
   with pytest.raises(DatasetError, match=r"bad.jsonl:2: not UTF-8 \(byte 0xff at column 17\)"):
     datasets.read_examples(path)
+
+
+def test_unpaired_surrogate_and_json_array_name_the_line(tmp_path):
+  """Scraped text can carry a lone surrogate escape, which no UTF-8 text holds; a .json file
+  holding one array is valid JSON but not JSON Lines: both named, not a traceback."""
+  from rhyme_jax.data.datasets import read_jsonl
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"question": "1+1?", "answer": "#### 2"}\n'
+                  '{"question": "smile \\ud83d?", "answer": "#### 2"}\n')
+  with pytest.raises(DatasetError, match=rf"^{path}:2: field 'question' holds an unpaired "
+                     r"surrogate '\\ud83d' at character 6$"):
+    read_jsonl(path)
+  path.write_text('[{"question": "1+1?", "answer": "#### 2"},\n {"question": "2+2?"}]\n')
+  with pytest.raises(DatasetError, match=rf"^{path}:1: a JSON array; expected JSON Lines"):
+    read_jsonl(path)
+  path.write_text('[{"question": "1+1?", "answer": "#### 2"}]\n')
+  with pytest.raises(DatasetError, match=rf"^{path}:1: a JSON array; expected JSON Lines"):
+    read_jsonl(path)

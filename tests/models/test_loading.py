@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 from rhyme_jax.models import loading  # noqa: E402
 from rhyme_jax.models.gguf_reader import GGUFFile  # noqa: E402
-from rhyme_jax.models.loading import load_gguf, load_hf_checkpoint, resolve_model_path  # noqa: E402
+from rhyme_jax.models.loading import (ModelError, load_gguf, load_hf_checkpoint,  # noqa: E402
+                                      read_model_config, resolve_model_path)
 
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.15,
@@ -171,6 +172,10 @@ def test_gguf_unsupported_type_names_tensor(tmp_path):
   w.close()
   with pytest.raises(ValueError, match=r"q6k\.gguf.*'blk\.0\.ffn_up\.weight'.*Q6_K"):
     GGUFFile(path).tensor("blk.0.ffn_up.weight")
+  # found by the header check that --dry_run and the input checks run (the usual Q4_K_M file)
+  with pytest.raises(ModelError, match=r"q6k\.gguf: tensor 'blk\.0\.ffn_up\.weight' has "
+                     r"unsupported type Q6_K"):
+    read_model_config(path)
 
 
 def test_gguf_missing_tensor_names_file_and_tensor(tmp_path):
@@ -350,3 +355,25 @@ def test_bf16_safetensors_and_load_model_dispatch(tmp_path):
   with pytest.raises(ValueError, match=r"notes\.txt: expected an HF checkpoint directory"):
     (tmp_path / "notes.txt").write_text("x")
     loading.load_model(str(tmp_path / "notes.txt"))
+
+
+def test_hf_integer_weights_are_refused_not_cast(hf_dir):
+  """int8 codes (a bitsandbytes checkpoint) cast to float would load as a garbage model."""
+  st = hf_dir / "model.safetensors"
+  tensors = load_file(str(st))
+  tensors["model.layers.0.mlp.up_proj.weight"] = np.ones(
+      tensors["model.layers.0.mlp.up_proj.weight"].shape, np.int8)
+  save_file(tensors, str(st))
+  with pytest.raises(ModelError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\."
+                     r"up_proj\.weight' has integer dtype int8"):
+    load_hf_checkpoint(hf_dir)
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", None), ("rope_scaling", "linear"),
+                                          ("num_attention_heads", 0)])
+def test_hf_config_field_of_the_wrong_type_is_one_error(hf_dir, field, value):
+  cfg = json.loads((hf_dir / "config.json").read_text())
+  cfg[field] = value
+  (hf_dir / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ModelError, match=rf"{hf_dir}"):
+    read_model_config(hf_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -131,3 +132,14 @@ def test_gguf_without_tokenizer_names_field(tmp_path):
   w.close()
   with pytest.raises(ValueError, match=r"notok\.gguf.*'tokenizer\.ggml\.model'"):
     Tokenizer.from_gguf(path)
+
+
+def test_broken_tokenizer_json_names_the_file(tmp_path):
+  """tokenizers' parser raises a bare Exception; it arrives as a ValueError naming the file."""
+  import tokenizers
+  from tokenizers import models
+  tj = tmp_path / "tokenizer.json"
+  tokenizers.Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tj))
+  os.truncate(tj, tj.stat().st_size // 2)
+  with pytest.raises(ValueError, match=rf"^{tj}: cannot read the tokenizer"):
+    Tokenizer.from_directory(tmp_path)
