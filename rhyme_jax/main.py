@@ -9,12 +9,15 @@ with exit status 2 for usage (an unknown or unparsable flag, a bad value) and 1 
 (a missing / truncated / malformed model, dataset or checkpoint, a run directory written by
 another config). Nothing is written to the run directory before every input has been read
 and checked. SIGTERM (a preempted VM) saves a checkpoint at the next step boundary and exits 0;
-rerunning the same command resumes from it.
+rerunning the same command resumes from it. One process of several that fails exits at once,
+so the others are stopped by jax.distributed (a heartbeat timeout) rather than wait forever.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -34,6 +37,18 @@ INPUT_ERROR = 1
 
 def _fail(status: int, message: str):
   print(f"error: {message}", file=sys.stderr)
+  _exit(status)
+
+
+def _exit(status: int):
+  """Exits; one process of several exits at once, skipping jax.distributed's shutdown barrier
+  (the others are not coming to it: they wait in the run's next collective), so the
+  coordination service fails them within its heartbeat timeout instead of every host hanging."""
+  jax = sys.modules.get("jax")
+  if jax is not None and jax.distributed.is_initialized():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
   sys.exit(status)
 
 
@@ -104,6 +119,9 @@ def main(argv):
     _fail(USAGE_ERROR, str(e))
   except _input_errors() as e:
     _fail(INPUT_ERROR, _one_line(e))
+  except Exception:  # a bug, or a failure of this host: the traceback, then out (see _exit)
+    traceback.print_exc()
+    _exit(INPUT_ERROR)
 
 
 def run_main():

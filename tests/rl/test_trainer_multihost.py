@@ -414,3 +414,37 @@ def _last_attempt_positions(log_dir):
         by_step[e["step"]][attempt] = by_step[e["step"]].get(attempt, []) + e["positions"]
   # `attempt` is per process; both processes start each attempt together.
   return {step: runs[max(runs)] for step, runs in by_step.items()}
+
+
+@pytest.mark.slow
+def test_a_process_that_fails_alone_does_not_leave_the_run_hanging(eos_model, tmp_path):
+  """Process 1's reward raises mid-step while process 0 waits in the step's exchange. Process 1
+  prints the traceback and exits at once (rhyme_jax.main: no jax.distributed shutdown barrier
+  that process 0 never reaches); jax.distributed then stops process 0 (a heartbeat timeout).
+  Before, both waited: process 1 in the shutdown barrier, process 0 in the exchange."""
+  port = _free_port()
+  flags = run_flags(eos_model, tmp_path / "run", "--num_steps=2", "--eval_every=0")
+  outs = [open(tmp_path / f"out{i}.txt", "w") for i in range(PROCESSES)]
+  procs = []
+  for i in range(PROCESSES):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+                   [REPO, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               **({"RHYME_JAX_TEST_REWARD_RAISES": "1"} if i == 1 else {}))
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "train_entry.py"), *flags,
+         f"--coordinator_address=localhost:{port}", f"--num_processes={PROCESSES}",
+         f"--process_id={i}"], cwd=REPO, env=env, stdout=outs[i], stderr=subprocess.STDOUT))
+  try:
+    procs[1].wait(timeout=400)
+    procs[0].wait(timeout=240)  # jax.distributed's heartbeat timeout is 100 s
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for f in outs:
+      f.close()
+  out1 = (tmp_path / "out1.txt").read_text()
+  assert procs[1].returncode == 1 and "this process's reward fails" in out1, out1[-3000:]
+  assert procs[0].returncode != 0, (tmp_path / "out0.txt").read_text()[-3000:]
+

@@ -29,6 +29,10 @@ def register_test_reward() -> None:
   @register_reward("test_parity")
   def _parity():
     def score(completion, example):
+      # A host failing on its own mid-run: the input check's probe (an answer with '####')
+      # passes, a sampled completion raises (tests/rl/test_trainer_multihost.py).
+      if os.environ.get("RHYME_JAX_TEST_REWARD_RAISES") and "####" not in completion:
+        raise RuntimeError("test_parity: this process's reward fails")
       r = float(len(completion) % 2 == 0)
       return RewardResult(r, {"correct": r})
     return score
