@@ -180,8 +180,9 @@ def load_examples(source: str, split: str = "train", *,
                   seed: int = 0) -> list[Example]:
   """The one loader: 'gsm8k', 'arithmetic' (synthetic) or a .jsonl / .parquet path.
 
-  `train_size` > 0 keeps the first that many training examples (for 'arithmetic' it is how
-  many problems to generate, default `ARITHMETIC_TRAIN_SIZE`); evaluation splits are whole.
+  `train_size` > 0 keeps the first that many training examples (more than there are is an
+  error; for 'arithmetic' it is how many problems to generate, default
+  `ARITHMETIC_TRAIN_SIZE`); evaluation splits are whole.
   Errors are `DatasetError`s naming the file and line.
   """
   if source == "gsm8k":
@@ -198,5 +199,8 @@ def load_examples(source: str, split: str = "train", *,
     raise DatasetError(f"unknown dataset {source!r}: use 'gsm8k', 'arithmetic' or a path to "
                        "a .jsonl / .parquet file")
   if split == "train" and train_size:
+    if train_size > len(examples):  # not fewer than asked, silently
+      raise DatasetError(f"--train_size={train_size}: {source} has {len(examples)} training "
+                         "examples")
     examples = examples[:train_size]
   return examples

@@ -135,6 +135,8 @@ def test_load_examples_sources(tmp_path):
   assert [e.answer for e in datasets.load_examples(str(path), "train", train_size=2)] == \
       ["#### 0", "#### 1"]
   assert len(datasets.load_examples(str(path), "test", train_size=2)) == 5
+  with pytest.raises(DatasetError, match=rf"^--train_size=6: {path} has 5 training examples$"):
+    datasets.load_examples(str(path), "train", train_size=6)
   with pytest.raises(DatasetError, match="unknown dataset 'foo'"):
     datasets.load_examples("foo")
 
