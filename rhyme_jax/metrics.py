@@ -76,10 +76,11 @@ def read_metrics(path: str | os.PathLike,
   other malformed line raises MetricsFileError naming `path:line`.
   """
   path = epath.Path(path)
+  raw = path.read_bytes()
   try:
-    text = path.read_bytes().decode("utf-8")
+    text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    line = path.read_bytes()[:e.start].count(b"\n") + 1
+    line = raw[:e.start].count(b"\n") + 1
     raise MetricsFileError(f"{path}:{line}: not UTF-8") from e
   lines = text.split("\n")
   records = []

@@ -76,7 +76,7 @@ def config_fingerprint(config: Any) -> str:
 def fingerprint_without(config: Any, exclude: Iterable[str]) -> str:
   """sha256 of `config` less the fields named (dotted names or prefixes) in `exclude`."""
   flat = _flatten(_normalize(config, ""))
-  return config_fingerprint({k: v for k, v in sorted(flat.items()) if not _allowed(k, exclude)})
+  return config_fingerprint({k: v for k, v in flat.items() if not _allowed(k, exclude)})
 
 
 def _config_path(run_dir: str | os.PathLike) -> epath.Path:

@@ -61,6 +61,11 @@ def _validate_record(record: Any, where: str, required: Sequence[str]) -> dict:
   return record
 
 
+def _json_array(path, line_no: int) -> DatasetError:
+  return DatasetError(f"{path}:{line_no}: a JSON array; expected JSON Lines (one object per "
+                      "line)")
+
+
 def read_jsonl(path: str | os.PathLike, required: Sequence[str] = REQUIRED_FIELDS
                ) -> list[tuple[int, dict]]:
   """Read a jsonl file into (line number, record) pairs; blank lines are skipped."""
@@ -80,14 +85,12 @@ def read_jsonl(path: str | os.PathLike, required: Sequence[str] = REQUIRED_FIELD
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        if not records and line.lstrip().startswith("["):  # one JSON array, not JSON Lines
-          raise DatasetError(f"{path}:{line_no}: a JSON array; expected JSON Lines (one "
-                             "object per line)") from e
+        if not records and line.lstrip().startswith("["):  # one JSON array, over lines
+          raise _json_array(path, line_no) from e
         raise DatasetError(f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno})"
                            ) from e
       if isinstance(record, list) and record and all(isinstance(r, dict) for r in record):
-        raise DatasetError(f"{path}:{line_no}: a JSON array; expected JSON Lines (one object "
-                           "per line)")
+        raise _json_array(path, line_no)
       records.append((line_no, _validate_record(record, f"{path}:{line_no}", required)))
   if not records:
     raise DatasetError(f"{path}: dataset is empty (no records)")

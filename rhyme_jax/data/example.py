@@ -45,4 +45,3 @@ def examples_fingerprint(examples) -> dict[str, Any]:
       h.update(part.encode("utf-8"))
       h.update(b"\x00")
   return {"examples": len(examples), "sha256": h.hexdigest()}
-

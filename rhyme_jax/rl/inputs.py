@@ -41,6 +41,7 @@ class Inputs:
   template: PromptTemplate
   model_config: ModelConfig
   distributed: dict[str, Any] | None  # jax.distributed.initialize arguments; None: one process
+  train_fingerprint: dict[str, Any]  # examples_fingerprint(train_examples): run_config's "data"
 
 
 def check_inputs(config: Config) -> Inputs:
@@ -67,12 +68,12 @@ def check_inputs(config: Config) -> Inputs:
            if c.run.eval_every else [])
   for split, examples in (("train", train), ("eval", evals)):
     _check_references(reward_fn, examples, split, c.reward_name)
+  data = examples_fingerprint(train)
   run_dir = epath.Path(c.run.run_dir)
   if run_dir.exists() and not run_dir.is_dir():
     raise ConfigError(f"--run_dir={c.run.run_dir}: exists and is not a directory")
   if (run_dir / run_config.RUN_CONFIG_FILE).exists():
-    run_config.check_run_config(run_dir, c, data=examples_fingerprint(train),
-                                allow_changed=RESUMABLE_CHANGES)
+    run_config.check_run_config(run_dir, c, data=data, allow_changed=RESUMABLE_CHANGES)
   if (run_dir / metrics_lib.METRICS_FILE).exists():  # a resume keeps its records: readable?
     metrics_lib.read_metrics(run_dir / metrics_lib.METRICS_FILE)
   model_config = read_model_config(c.model.model, param_dtype=param_dtype(c))
@@ -95,7 +96,7 @@ def check_inputs(config: Config) -> Inputs:
       raise ConfigError(f"--max_prompt_len={c.rollout.max_prompt_len}: the prompt of {split} "
                         f"example {uid} has {longest} tokens, the most of the "
                         f"{len(examples)} {split} prompts; raise it to at least {longest}")
-  return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed)
+  return Inputs(reward_fn, train, evals, tokenizer, template, model_config, distributed, data)
 
 
 # A final answer in each form the rewards read (boxed, '####'), so that scoring it parses the

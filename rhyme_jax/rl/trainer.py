@@ -51,7 +51,6 @@ from rhyme_jax import multihost, parallel
 from rhyme_jax import run_config
 from rhyme_jax.config import (HOST_LOCAL_FIELDS, LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config,
                               ConfigError, ids_per_step)
-from rhyme_jax.data.example import examples_fingerprint
 from rhyme_jax.data.pipeline import PromptPipeline
 from rhyme_jax.data.prompts import render_prompt
 from rhyme_jax.models.loading import load_model
@@ -132,7 +131,7 @@ class Trainer:
                              for f in LOCKSTEP_FIELDS})
       multihost.check_agree({
           "flags": run_config.fingerprint_without(c, HOST_LOCAL_FIELDS)[:12],
-          "training examples": examples_fingerprint(inputs.train_examples)["sha256"][:12]},
+          "training examples": inputs.train_fingerprint["sha256"][:12]},
           what="the {} of every process of a run must be the same (sha256 by process)")
     except ValueError as e:
       raise ConfigError(str(e)) from e
@@ -172,7 +171,7 @@ class Trainer:
     self._restore()  # refuses a checkpoint this config cannot resume, before the write below
     if self.process_index == 0:  # one writer; the others checked it in check_inputs
       run_config.ensure_run_config(c.run.run_dir, c,
-                                   data=examples_fingerprint(inputs.train_examples),
+                                   data=inputs.train_fingerprint,
                                    allow_changed=RESUMABLE_CHANGES)
 
   def _rollout_policy(self):
