@@ -8,7 +8,7 @@ its draft token, the packed index of its parent, its depth below the root and it
 Accepting is closed form. At every node the target is sampled with the key of that position;
 a draft node "matches" when its token equals its parent's sample. A node lies on the accepted
 path iff every draft ancestor matches: (ancestor bits & ~matched bits of its row) == root bit.
-Siblings never repeat a token (the packer drops repeats), so the path is a single chain; the
+Siblings never repeat a token (`pack` makes a repeat dead), so the path is a single chain; the
 samples along it, by depth, are the emitted tokens, the deepest one being the bonus token.
 Every emitted token is a sample of the target itself, whatever the draft.
 """
@@ -25,6 +25,7 @@ from rhyme_jax.models.attention import packed_rows
 
 WORDS = 1  # uint32 words of ancestor bits per token
 MAX_ROW_TOKENS = 32 * WORDS  # root + draft nodes of one row
+NEVER = -1  # the token of a packed node that must never be accepted: no sample equals it
 
 
 class PackedTrees(NamedTuple):
@@ -58,7 +59,14 @@ class PackedTrees(NamedTuple):
 def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence[bool],
          p: int) -> PackedTrees:
   """Packs per-row (tokens, parents) drafts (cleaned: see DraftTree.cleaned; None = no draft)
-  for the live rows into P positions. Raises if they do not fit."""
+  for the live rows into P positions. Raises if they do not fit.
+
+  Drafts only cost speed, even from a drafter that breaks the tree contract: a node whose
+  parent is not an earlier node, or that repeats an earlier sibling's token, is packed with the
+  token `NEVER`, which no sample equals, so neither it nor its subtree is ever accepted (two
+  matching siblings would put two nodes of one depth on the path). Tokens outside the
+  vocabulary are the step's to handle (`step.verify_step` embeds them clipped); they never
+  match either."""
   b = len(live_B)
   q_len = np.asarray([(1 + (0 if t is None else len(t[0]))) if live else 0
                       for t, live in zip(trees, live_B)], np.int32)
@@ -83,11 +91,19 @@ def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence
     dep = [0]
     for j in range(n):
       par = int(pars[j]) + 1  # row-local index of the parent (0 = root)
+      if not 0 <= par <= j:  # not a tree (a drafter's bug): a dead node below the root
+        par, tokens[s + 1 + j] = 0, NEVER
       bits.append(bits[par] | (1 << (j + 1)))
       dep.append(dep[par] + 1)
       parent[s + 1 + j] = s + par
     mask[s:s + n + 1, 0] = np.asarray(bits, np.uint32)
     depth[s:s + n + 1] = dep
+  if total > b:  # draft nodes: a sibling repeating an earlier one's token is dead too
+    node = np.flatnonzero(depth > 0)
+    key = parent[node].astype(np.int64) << 32 | tokens[node].astype(np.int64) & 0xFFFFFFFF
+    first = np.zeros(len(node), bool)
+    first[np.unique(key, return_index=True)[1]] = True
+    tokens[node[~first]] = NEVER
   return PackedTrees(tokens, parent, depth, mask, q_start, q_len)
 
 

@@ -43,7 +43,7 @@ class DraftTree:
     invalid nodes, their subtrees and siblings repeating an earlier sibling's token (which the
     accept rule would never follow) are dropped. What the engine packs."""
     if self.clean:
-      n = min(max_nodes, len(self.tokens))
+      n = min(max(max_nodes, 0), len(self.tokens))
       return self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n]
     keep = {-1: -1}
     seen = set()
@@ -119,14 +119,18 @@ class DraftTree:
       if node is None:
         return None
     new_index = {node: -1}  # kept node -> its index in the subtree
-    nodes = []
+    nodes, kept = [], []
     for i in range(node + 1, len(tokens)):
       if valid[i] and parents[i] in new_index:
         new_index[i] = len(nodes)
         nodes.append((tokens[i], new_index[parents[i]]))
+        kept.append(i)
     if not nodes:
       return None
-    return DraftTree.from_nodes(nodes, len(nodes))
+    tree = DraftTree.from_nodes(nodes, len(nodes))
+    if self.probs is not None:  # the drafter's estimates, for the engine's cost model
+      tree.probs = self.probs[kept]
+    return tree
 
   def padded(self, budget: int) -> "DraftTree":
     """The same tree in a budget of another size (nodes past it dropped, with their subtrees)."""

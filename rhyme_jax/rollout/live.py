@@ -86,8 +86,10 @@ def validate(req: Request, seen: set, vocab: int, max_len: int) -> str | None:
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
-  """Depth below the root of each node of a (tokens, parents) draft (children of root: 1)."""
+  """Depth below the root of each node of a (tokens, parents) draft (children of root: 1). A
+  parent that is not an earlier node (a drafter's bug) counts as the root, where `accept.pack`
+  puts that node, dead."""
   d = np.zeros(len(parents), np.int64)
   for i, par in enumerate(parents):
-    d[i] = 1 if par < 0 else d[par] + 1
+    d[i] = 1 if not 0 <= par < i else d[par] + 1
   return d

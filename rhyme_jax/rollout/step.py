@@ -81,7 +81,11 @@ def verify_step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   b, p = state.batch, trees.tokens_P.shape[0]
   row_P, i_P, valid_P = attention.packed_rows(trees.q_start_B, trees.q_len_B, p)
   is_root_P = i_P == 0
-  tokens_P = jnp.where(is_root_P, state.root_B[row_P], trees.tokens_P)
+  # A draft token outside the vocabulary (a drafter's garbage, `accept.NEVER`) is embedded as
+  # one inside it, since an embedding lookup out of range gives NaN; matching reads the raw
+  # token, which no sample equals, so such a node is never accepted.
+  draft_P = jnp.clip(trees.tokens_P, 0, model.cfg.vocab_size - 1)
+  tokens_P = jnp.where(is_root_P, state.root_B[row_P], draft_P)
   positions_P = state.length_B[row_P] + trees.depth_P
   pk = attention.Packed(state.length_B, trees.q_start_B, trees.q_len_B, trees.mask_PxW,
                         max_kv_len, max_q_len, attention_impl)

@@ -98,3 +98,27 @@ def test_truncated_tree_drops_orphans():
 def test_from_nodes_rejects_forward_parent():
   with pytest.raises(ValueError, match="parent 3"):
     DraftTree.from_nodes([(1, -1), (2, 3)], budget=4)
+
+
+def test_pack_kills_nodes_that_break_the_tree_contract():
+  """A drafter that flags malformed trees as clean (`DraftTree.clean`) reaches `pack` as is:
+  a parent that is not an earlier node, or a sibling repeating a token, must never be followed,
+  and neither must anything below it."""
+  rows = [(np.array([5, 5, 6], np.int32), np.array([-1, -1, 1], np.int32)),  # repeat, its child
+          (np.array([7, 8, 9, 4], np.int32), np.array([-1, 3, -3, 0], np.int32))]  # bad parents
+  packed = accept.pack(rows, [True, True], 12)
+  np.testing.assert_array_equal(packed.tokens_P[:9], [0, 5, accept.NEVER, 6,
+                                                      0, 7, accept.NEVER, accept.NEVER, 4])
+  np.testing.assert_array_equal(packed.parent_P[:9], [0, 0, 0, 2, 4, 4, 4, 4, 5])
+  # Every sample equals every draft token that is not NEVER: the target "agrees" everywhere.
+  sampled = np.array([5, 6, 6, 9, 7, 4, 9, 9, 1, 0, 0, 0], np.int32)
+  acc = accept.accept_packed(jnp.asarray(sampled), jnp.zeros(12), accept.PackedTrees(
+      *map(jnp.asarray, packed)), 2, 5)
+  np.testing.assert_array_equal(acc.num_accepted_B, [1, 2])  # 5 | 7 -> 4
+  np.testing.assert_array_equal(np.asarray(acc.emitted_BxT)[:, :3], [[5, 6, 0], [7, 4, 1]])
+  for r, (toks, pars) in enumerate(rows):  # the walk over the tree as a valid tree reads it
+    s = int(packed.q_start_B[r])
+    ok = [t if t != accept.NEVER else -99 for t in packed.tokens_P[s + 1:s + 1 + len(toks)]]
+    path = reference_walk(sampled[s:s + 1 + len(toks)], ok,
+                          packed.parent_P[s + 1:s + 1 + len(toks)] - s - 1)
+    assert len(path) == int(acc.num_accepted_B[r]) + 1

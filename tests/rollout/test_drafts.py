@@ -27,6 +27,19 @@ def test_after_is_none_off_the_tree_or_at_a_leaf():
   assert TREE.after([5, 6, 7]) is None
 
 
+def test_after_keeps_the_drafters_estimates_of_the_nodes_it_keeps():
+  tree = DraftTree.of([5, 6, 9, 7, 8], [-1, 0, -1, 1, 0], probs=[0.9, 0.6, 0.3, 0.4, 0.2])
+  np.testing.assert_allclose(tree.after([5]).probs, [0.6, 0.4, 0.2])
+  assert TREE.after([5]).probs is None
+
+
+def test_cleaned_takes_no_nodes_below_zero_on_either_path():
+  tree = DraftTree.of([1, 2, 3], [-1, 0, 1])
+  assert len(tree.cleaned(-1)[0]) == 0
+  tree.clean = True  # the slice a clean tree takes
+  assert len(tree.cleaned(-1)[0]) == 0
+
+
 def test_after_ignores_invalid_nodes():
   tree = DraftTree.from_nodes([(5, -1), (6, 0), (7, 1)], 4)
   tree.valid[1] = False  # node 2 hangs below an invalid node

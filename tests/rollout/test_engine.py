@@ -7,7 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
-from rhyme_jax.rollout.drafts import NoDrafts, OracleDrafter, RandomDrafter
+from rhyme_jax.rollout.drafts import (DraftTree, NoDrafts, OracleDrafter, RandomDrafter,
+                                      StatelessDrafter)
 from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
 from rhyme_jax.rollout.sampling import SamplingParams
 
@@ -34,9 +35,31 @@ def engine(model, drafter, budget=4, buckets=(4, 2, 1)):
   return RolloutEngine(model, cfg, drafter)
 
 
+class MalformedDrafter(StatelessDrafter):
+  """Right tokens in trees that break the contract while claiming to keep it (`clean`): a
+  sibling repeating the right token, tokens outside the vocabulary (above it, negative),
+  parents that are not earlier nodes. Such drafts may only cost speed."""
+
+  def __init__(self, targets, vocab):
+    self.targets, self.vocab = targets, vocab
+
+  def propose(self, queries):
+    out = []
+    for q in queries:
+      t = [int(x) for x in self.targets[q.request_id][len(q.response):]] + [0, 0, 0]
+      nodes = [[(t[0], -1), (t[0], -1), (t[1], 0), (t[2], 2)],  # repeat, then the right path
+               [(self.vocab + 7, -1), (t[0], -1), (-5, 1), (t[1], 1)],
+               [(t[0], -1), (t[1], 5), (t[1], -3), (t[1], 0)]][q.request_id % 3]
+      tok, par = zip(*nodes)
+      out.append(DraftTree(np.asarray(tok, np.int32), np.asarray(par, np.int32),
+                           np.ones(len(tok), bool), clean=True))
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_speculation_is_invisible_same_step_shape(tiny_model, name):
-  """Oracle, wrong-branch, garbage and EOS-laden drafts emit exactly what empty drafts emit."""
+  """Oracle, wrong-branch, garbage, EOS-laden and malformed drafts emit exactly what empty
+  drafts emit."""
   params = PARAMS[name]
   plain = engine(tiny_model, NoDrafts()).generate(requests(params))
   targets = {r.request_id: r.tokens for r in plain}
@@ -44,6 +67,7 @@ def test_speculation_is_invisible_same_step_shape(tiny_model, name):
       "oracle": OracleDrafter(targets, 64, accuracy=1.0),
       "oracle_branchy": OracleDrafter(targets, 64, accuracy=0.7, branches=2, seed=1),
       "garbage_with_eos": RandomDrafter(64, seed=2, extra_tokens=(EOS,)),
+      "malformed": MalformedDrafter(targets, 64),
   }
   for dname, drafter in drafters.items():
     eng = engine(tiny_model, drafter)
@@ -55,6 +79,8 @@ def test_speculation_is_invisible_same_step_shape(tiny_model, name):
     if dname == "oracle":
       assert eng.stats.mean_accepted_length > 3.0  # perfect drafts: ~budget+1 per verify
       assert eng.stats.forwards_per_token < 0.5
+    if dname == "malformed":  # its right tokens were taken where the tree let them be
+      assert eng.stats.mean_accepted_length > 1.5
   assert any(r.finish_reason == "eos" for r in plain) or name == "greedy"
 
 
