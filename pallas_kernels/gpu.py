@@ -7,8 +7,8 @@ no copy of the cache), with a float32 online softmax. The G query heads of all T
 row form one [R, H] tile (R = T*G rounded up to a power of two >= 16, as tl.dot needs), so each
 KV block is loaded once per KV head (GQA). With few rows (decode at small batch) a row's live
 blocks are split over J programs (flash-decoding) whose partial softmaxes are merged in a small
-XLA step. Blocks wholly inside the committed prefix are unmasked; the last one or two get the
-tree bit tests and have dead V rows zeroed, so NaN garbage past the live length cannot leak. A
+XLA step. Blocks wholly inside the committed prefix are unmasked; those from kv_len // C on get
+the tree bit tests and have dead V rows zeroed, so NaN garbage past the live length cannot leak. A
 row with no tokens runs zero blocks and writes zeros.
 
 Triton wants power-of-two loads: H must be a power of two >= 16, C a power of two dividing S,

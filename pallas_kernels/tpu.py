@@ -12,8 +12,8 @@ copy (the grid is therefore "arbitrary": programs run in order on one core).
 Each block is fetched once for all K heads; per KV head the G query heads of all T tokens form
 one [R, H] tile (R = T*G padded), so a KV block feeds one MXU matmul per head (GQA).
 
-Blocks entirely inside the committed prefix need no mask; the last one or two blocks (those that
-hold the new tokens and the dead tail) get the tree bit tests and have dead V rows zeroed, so
+Blocks entirely inside the committed prefix need no mask; the blocks from kv_len // C on (those
+that hold the new tokens and the dead tail) get the tree bit tests and have dead V rows zeroed, so
 garbage (even NaN) past the live length cannot leak. A row with no tokens writes zeros.
 Softmax state (running max, denominator, accumulator) is float32 in VMEM scratch.
 """

@@ -9,8 +9,8 @@ When the chosen kernel cannot take the shapes/dtypes (see each kernel's unsuppor
 call falls back to the reference and logs the reason once (this happens at trace time, so a
 compiled step never re-decides).
 max_q_len (static) must bound every q_len_B[b]; it sizes the per-row query tile. Default:
-min(32 * W, P), always safe; the engine should pass 1 for decode and tree budget + 1 for
-verification so decode tiles stay small.
+min(32 * W, P), safe under the contract's bound q_len_B[b] <= 32 * W; the engine passes 1 for
+decode and tree budget + 1 for verification so decode tiles stay small.
 layer (static): k and v are a stacked per-layer cache [L, B, S, K, H] and layer `layer` is the
 one attended. The kernels read it in place; slicing the layer out first would make XLA copy the
 whole layer (every row's S positions) before each kernel call.

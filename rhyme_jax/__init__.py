@@ -10,6 +10,10 @@ B, T, D in that order.
   V  vocabulary     C  prefill-chunk tokens  R  requests (host side)  M  micro-batches
   W  words of a bit mask (uint32)            E  epochs kept in history
 
+Inside a Pallas kernel (pallas_kernels/) three letters take a kernel's meaning: R the query
+rows of one tile (a row's T tokens x G heads), C the cache positions of one KV block, X a
+tile's lane width; J there counts the KV splits of one row (flash-decoding).
+
 The nodes of one row's draft tree are that row's T axis. L is never a sequence length and N
 never a count of nodes, groups or rows; an axis without a letter here (e.g. the samples of a
 GRPO group) gets a plain name and a shape comment instead.

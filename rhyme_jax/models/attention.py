@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import block_math
 from pallas_kernels import gpu as gpu_kernel
 from pallas_kernels import tpu as tpu_kernel
 from pallas_kernels import tree_attention as kernel_dispatch
@@ -203,7 +204,10 @@ def tree_attention(q_PxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Arra
 
   Row b's tokens sit at packed indices [q_start_B[b], q_start_B[b] + q_len_B[b]); its i-th
   token's K/V are already in the cache at kv_len_B[b] + i. A token sees its row's prefix
-  [0, kv_len_B[b]) and new token j iff bit j of its mask words is set.
+  [0, kv_len_B[b]) and new token j iff bit j of its mask words is set. Every q_len_B[b] is at
+  most 32 * W (the bits that can name its tokens) and at most a static `max_q_len` where one is
+  given (the engine's tokens per row T; `accept.pack` refuses more): the tiles are that tall,
+  so a row past them would get wrong outputs, not an error.
 
   `impl` (static, one of IMPLS) picks the XLA path below or a Pallas kernel, which reads only
   each row's live KV (max_kv_len is then unused: nothing past kv_len + q_len is read). A kernel
@@ -252,8 +256,11 @@ def _xla_tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_le
   k_BxSxKxH, v_BxSxKxH = k_BxSxKxH[:, :s], v_BxSxKxH[:, :s]
   q_BxTxNxH, valid_BxT = unpack_rows(q_PxNxH, q_start_B, q_len_B, t)
   mask_BxTxW, _ = unpack_rows(mask_PxW, q_start_B, q_len_B, t)
+  # float32 at full precision, as the kernels compute it (DEFAULT is bf16 passes on a TPU and
+  # TF32 on a GPU): the paths agree to float rounding on every device, not on a CPU alone.
+  precision = block_math.dot_precision(k_BxSxKxH.dtype)
   scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(b, t, k, g, h), k_BxSxKxH,
-                      preferred_element_type=jnp.float32) * scale
+                      precision=precision, preferred_element_type=jnp.float32) * scale
   rel_BxS = jnp.arange(s, dtype=jnp.int32)[None, :] - kv_len_B[:, None]
   new_BxTxS = jnp.zeros((b, t, s), bool)
   for word in range(w):  # bit test of the draft positions (W static and small)
@@ -272,7 +279,7 @@ def _xla_tree_attention(q_PxNxH, k_BxSxKxH, v_BxSxKxH, kv_len_B, q_start_B, q_le
   live_BxS = rel_BxS < q_len_B[:, None]
   v_BxSxKxH = jnp.where(live_BxS[:, :, None, None], v_BxSxKxH, 0)
   out_BxKxGxTxH = jnp.einsum("bkgts,bskh->bkgth", probs.astype(v_BxSxKxH.dtype), v_BxSxKxH,
-                             preferred_element_type=jnp.float32)
+                             precision=precision, preferred_element_type=jnp.float32)
   out_BxTxNxH = out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(b * t, n, h)
   row_P, i_P, valid_P = packed_rows(q_start_B, q_len_B, p)
   out_PxNxH = out_BxTxNxH[row_P * t + jnp.clip(i_P, 0, t - 1)]
