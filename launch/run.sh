@@ -3,7 +3,7 @@
 # copied to each worker, then each worker starts `python -m rhyme_jax.main --flagfile=...` in
 # the background, detached from the ssh session (setsid + nohup), writing its own log and pid
 # under ~/rhyme_jax_runs/. One process per host: on a pod slice every worker must run the same
-# command, and jax.distributed finds the other hosts through the TPU runtime.
+# command, and jax.distributed finds the other hosts through the VM's metadata server.
 #
 # The run directory should be on gs://: workers' disks are not shared and die with the VM,
 # while checkpoints in a bucket outlive it and let a preempted run resume on a new VM.

@@ -95,10 +95,24 @@ def parse_flags(argv):
   except flags.Error as e:
     _fail(USAGE_ERROR, f"{e} (see --help)")
   if flags.FLAGS["only_check_args"].value:  # absl would exit 0 without looking at the values
-    _checked_inputs(_config())
-    print("flags and inputs are valid", file=sys.stderr)
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    config = _config()
+    _dry_run(config, _checked_inputs(config))
     sys.exit(0)
   return rest
+
+
+def _dry_run(config, inputs) -> None:
+  """--dry_run (and --only_check_args): the plan, then the memory check a run makes before it
+  loads weights; a run that cannot fit exits as a flag error would (2)."""
+  from rhyme_jax.rl import trainer
+  try:
+    print(trainer.describe_plan(config, inputs))
+    trainer.check_plan_fits(config, inputs)
+  except ConfigError as e:
+    _fail(USAGE_ERROR, str(e))
+  except _input_errors() as e:
+    _fail(INPUT_ERROR, _one_line(e))
 
 
 def main(argv):
@@ -108,11 +122,10 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)
   config = _config()
   inputs = _checked_inputs(config)
+  if _DRY_RUN.value:
+    return _dry_run(config, inputs)
   from rhyme_jax.rl import trainer
   try:
-    if _DRY_RUN.value:
-      print(trainer.describe_plan(config, inputs))
-      return
     t = trainer.Trainer(config, inputs)
     t.run()
   except ConfigError as e:

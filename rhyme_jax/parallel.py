@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+import urllib.request
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -55,26 +56,53 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
   return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
 
 
-# Environment variables that mean "this process is one of several launched together".
-_MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
+_GCE_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
 
 
-def _launcher(env: Mapping[str, str]) -> str | None:
+def cloud_tpu_workers(env: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> int:
+  """Workers of the Cloud TPU slice this VM is one of (0 where this is no TPU VM).
+
+  A TPU VM started over ssh (`gcloud ... ssh --worker=all`, launch/run.sh) has no launcher
+  variables in its environment: its slice's workers are in the GCE metadata server
+  (`worker-network-endpoints`, what JAX's own cluster detection reads). Asked only where TPU
+  chips sit on this machine's PCI bus, so no other machine makes a request; an unanswered
+  request counts as one worker.
+  """
+  env = os.environ if env is None else env
+  if env.get("TPU_SKIP_MDS_QUERY") is not None:
+    return 0
+  try:
+    from jax._src import hardware_utils  # what JAX's TPU start-up counts chips with
+    chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+  except Exception:  # a JAX without it: no detection, as before
+    return 0
+  if not chips:
+    return 0
+  request = urllib.request.Request(_GCE_METADATA + "worker-network-endpoints",
+                                   headers={"Metadata-Flavor": "Google"})
+  try:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+      endpoints = response.read().decode()
+  except (OSError, ValueError):
+    return 1
+  return max(1, len([w for w in endpoints.split(",") if w.strip()]))
+
+
+def _launcher(env: Mapping[str, str], tpu_workers: Callable[[], int]) -> str | None:
   """The launcher that started several processes and tells each its place, if any."""
   if env.get("MEGASCALE_COORDINATOR_ADDRESS") or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
     return "TPU pod slice"  # TPU_WORKER_HOSTNAMES is set on every worker of a multi-host slice
   for key, name in (("SLURM_NTASKS", "SLURM"), ("OMPI_COMM_WORLD_SIZE", "Open MPI")):
     if env.get(key, "1").isdigit() and int(env.get(key, "1")) > 1:
       return name
+  if tpu_workers() > 1:  # a worker of a multi-host Cloud TPU slice started over ssh
+    return "TPU pod slice"
   return None
 
 
-def _launched_multi_process(env: Mapping[str, str]) -> bool:
-  return bool(_launcher(env) or any(env.get(k) for k in _MULTI_PROCESS_ENV))
-
-
 def distributed_settings(coordinator_address: str = "", num_processes: int = 0,
-                         process_id: int = -1, env: Mapping[str, str] | None = None
+                         process_id: int = -1, env: Mapping[str, str] | None = None,
+                         tpu_workers: Callable[[], int] | None = None
                          ) -> dict[str, Any] | None:
   """`jax.distributed.initialize` arguments from the flags and the launcher's environment.
 
@@ -86,7 +114,7 @@ def distributed_settings(coordinator_address: str = "", num_processes: int = 0,
   as a bare "Number of processes must be defined").
   """
   env = os.environ if env is None else env
-  launcher = _launcher(env)
+  launcher = _launcher(env, tpu_workers or (lambda: cloud_tpu_workers(env)))
   count = num_processes if num_processes > 0 else None
   index = process_id if process_id >= 0 else None
   address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")

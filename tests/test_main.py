@@ -184,6 +184,7 @@ def test_only_check_args_validates(tmp_path, tiny_model):
   assert_one_line_error(proc, 1, "/nonexistent")
   proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--only_check_args")
   assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "mesh: {'data': 1, 'fsdp': 1, 'tensor': 1}" in proc.stdout  # the plan, as --dry_run
   assert not (tmp_path / "run").exists()
 
 
@@ -202,6 +203,13 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
                   "--coordinator_address=10.0.0.1:8476", "--num_processes=4", "--process_id=0")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
+  # A run that cannot fit: the plan says so and the dry run fails as the run would (exit 2).
+  proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
+                  "--device_memory_gib=0.001")
+  assert "device memory 0.00 GiB: DOES NOT FIT" in proc.stdout
+  assert_one_line_error(proc, 2, "the run does not fit in --device_memory_gib (0.00 GiB per "
+                        "device)")
+  assert not (tmp_path / "run").exists()
 
 
 def test_prompt_longer_than_max_prompt_len_is_refused_before_anything_is_written(

@@ -233,9 +233,41 @@ def test_initialize_distributed_is_a_noop_on_one_process(monkeypatch):
     monkeypatch.delenv(key, raising=False)
   assert par.maybe_initialize_distributed() is False
   assert par.maybe_initialize_distributed(force=False) is False
-  assert par._launched_multi_process({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
-  assert par._launched_multi_process({"TPU_WORKER_HOSTNAMES": "w0,w1"})
-  assert not par._launched_multi_process({"TPU_WORKER_HOSTNAMES": "w0", "SLURM_NTASKS": "1"})
+  assert par.distributed_settings(env={"TPU_WORKER_HOSTNAMES": "w0", "SLURM_NTASKS": "1"},
+                                  tpu_workers=lambda: 1) is None
+
+
+def test_a_cloud_tpu_slice_started_over_ssh_is_found_from_the_metadata_server(monkeypatch):
+  """No launcher variable in a TPU VM's ssh shell: the slice's workers come from the GCE
+  metadata server, asked only on a machine with TPU chips."""
+  import io
+  import urllib.request
+
+  from jax._src import hardware_utils
+
+  from rhyme_jax import parallel as par
+  asked = []
+
+  def urlopen(request, timeout):
+    asked.append((request.full_url, request.get_header("Metadata-flavor"), timeout))
+    return io.BytesIO(b"w-0,w-1,w-2,w-3")
+
+  monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+  monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (0, None))
+  assert par.cloud_tpu_workers({}) == 0 and not asked  # no TPU here: nothing asked
+  monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, "v5p"))
+  assert par.cloud_tpu_workers({}) == 4
+  assert asked == [(par._GCE_METADATA + "worker-network-endpoints", "Google", 5.0)]
+  assert par.distributed_settings(env={}) == {}  # jax.distributed.initialize() detects the rest
+  assert par.cloud_tpu_workers({"TPU_SKIP_MDS_QUERY": "1"}) == 0
+  monkeypatch.setattr(urllib.request, "urlopen", lambda request, timeout: io.BytesIO(b"w-0"))
+  assert par.distributed_settings(env={}) is None  # a single-host TPU VM
+
+  def unanswered(request, timeout):
+    raise OSError("no metadata server")
+
+  monkeypatch.setattr(urllib.request, "urlopen", unanswered)
+  assert par.cloud_tpu_workers({}) == 1
 
 
 @pytest.mark.parametrize("flags, env, want", [

@@ -173,7 +173,7 @@ def load_gsm8k(split: str = "train", data_dir: str | os.PathLike | None = None
   root = Path(data_dir) if data_dir is not None else default_gsm8k_dir()
   path = root / f"{split}.jsonl"
   if not path.is_file():
-    raise DatasetError(f"{path}: GSM8K file not found; pass data_dir or set "
+    raise DatasetError(f"{path}: GSM8K file not found; pass --data_dir or set "
                        f"${GSM8K_DIR_ENV}")
   return read_examples(path, uid_prefix=f"gsm8k-{split}")
 

@@ -93,13 +93,19 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"train step: sequence buckets {length_buckets(s)}, "
       f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
       f"memory: {est.describe()}; device memory "
-      + (f"{gib(limit)}: {'fits' if est.total <= limit else 'DOES NOT FIT'}" if limit
+      + (f"{gib(limit)}: {memory.fit_verdict(est, limit)}" if limit
          else "not reported (no check)"),
       f"processes: {_describe_processes(inputs.distributed)}",
       f"run dir: {c.run.run_dir} ({'resumes' if resumes else 'new'}); "
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
   ]
   return "\n".join(lines)
+
+
+def check_plan_fits(config: Config, inputs: Inputs) -> None:
+  """The memory check a run makes before it loads weights (`memory.check_fits`), for
+  `--dry_run`: ConfigError where the run cannot fit."""
+  memory.check_fits(config, inputs.model_config, _mesh(config))
 
 
 def _describe_processes(settings: dict[str, Any] | None) -> str:

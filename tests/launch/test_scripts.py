@@ -143,7 +143,7 @@ DRY_RUNS = {
         [f"gcloud compute tpus tpu-vm ssh my-tpu {LOC} --worker=all --command=" + q(
             f"{ALIVE}; pid=$(cat rhyme_jax_runs/q7.pid 2>/dev/null || true); "
             'if ! alive "$pid"; then echo "$(hostname): q7 is not running"; exit 0; fi; '
-            'kill -TERM -- "-$pid"; for _ in $(seq 30); do alive "$pid" || break; sleep 1; done; '
+            'kill -TERM -- "-$pid"; for _ in $(seq 600); do alive "$pid" || break; sleep 1; done; '
             'if alive "$pid"; then kill -KILL -- "-$pid"; how=SIGKILL; else how=SIGTERM; fi; '
             'echo "=== $(date -u +%FT%TZ) $(hostname) stopped by launch/stop.sh ($how)" '
             '>> rhyme_jax_runs/q7.log; echo "$(hostname): stopped q7 (pid $pid, $how)"')]),
@@ -237,6 +237,7 @@ ERRORS = [
     ("logs.sh", [*VM, "--run_name", "q7", "--worker", "first"], "--worker 'first' must be"),
     ("logs.sh", [*VM, "--run_name", "q7", "--lines", "ten"], "--lines 'ten' must be a number"),
     ("stop.sh", VM, "--run_name is required"),
+    ("stop.sh", [*VM, "--run_name", "q7", "--grace", "5m"], "--grace '5m' is not a number"),
     ("teardown.sh", ["--zone", "us-central2-b"], "--name is required"),
     ("teardown.sh", [*VM, "--dry-run=yes"], "--dry-run takes no value"),
     ("tpu_vm.sh", ["my-tpu", "us-central2-b"], "expected TPU_NAME ZONE FLAGFILE"),

@@ -31,10 +31,13 @@ def _setup(*extra):
   return config, mesh, memory.estimate(config, CFG, mesh)
 
 
-def test_train_step_estimate_within_10_percent_of_compiled():
-  config, mesh, est = _setup()
+@pytest.mark.parametrize("new_tokens", [32, 224])
+def test_train_step_estimate_close_to_compiled(new_tokens):
+  """Within 15% of XLA's own count and never below it by more than 3%, at 64 and 256 tokens
+  (where the attention's T^2 arrays weigh most)."""
+  config, mesh, est = _setup(f"--max_new_tokens={new_tokens}")
   learner = Learner(config, init_model(CFG, 0), mesh, CFG)
-  b, t = config.rl.samples_per_step, length_buckets(64)[-1]
+  b, t = config.rl.samples_per_step, length_buckets(32 + new_tokens)[-1]
   batch = parallel.shard_batch(dict(tokens=np.zeros((b, t), np.int32),
                                     targets=np.zeros((b, t), np.int32),
                                     adv=np.zeros((b,), np.float32),
@@ -46,7 +49,7 @@ def test_train_step_estimate_within_10_percent_of_compiled():
   # The whole step: arguments plus XLA's temporaries (outputs alias the donated arguments).
   compiled = ma.argument_size_in_bytes + ma.temp_size_in_bytes
   estimated = est.params + est.opt_state + est.grads + est.activations
-  assert abs(estimated / compiled - 1) < 0.10, (estimated, compiled)
+  assert 0.97 < estimated / compiled < 1.15, (estimated, compiled)
 
 
 def test_rollout_step_estimate_within_10_percent_of_compiled():
@@ -84,4 +87,24 @@ def test_sharding_divides_the_estimate():
   fsdp = jax.sharding.AbstractMesh((1, 4, 1), ("data", "fsdp", "tensor"))
   four = memory.estimate(config, CFG, fsdp)
   assert four.params < 0.4 * one.params and four.opt_state < 0.4 * one.opt_state
-  assert four.activations == one.activations  # rows are not divided (errs high)
+  assert four.activations == one.activations  # every row on every device (errs high)
+  assert four.activations_sharded == one.activations // 4  # rows split four ways: the least
+  assert four.least < four.total and one.least == one.total
+
+
+def test_a_run_that_fits_only_with_sharded_activations_is_warned_not_refused(caplog):
+  """On a mesh the estimate brackets the activations (every row on every device / rows split
+  over the batch axes): a run above the lower bound cannot fit and is refused; one between
+  the two may fit and gets a warning."""
+  mesh = jax.sharding.AbstractMesh((1, 4, 1), ("data", "fsdp", "tensor"))
+  est = memory.estimate(parse_flags(FLAGS), CFG, mesh)
+  between = (est.least + est.total) / 2 / memory.GIB
+  config = parse_flags(FLAGS + [f"--device_memory_gib={between}"])
+  with caplog.at_level("WARNING"):
+    assert memory.check_fits(config, CFG, mesh) == est
+  assert "may not fit" in caplog.text
+  assert memory.fit_verdict(est, int(between * memory.GIB)) == "may not fit"
+  below = parse_flags(FLAGS + [f"--device_memory_gib={0.99 * est.least / memory.GIB}"])
+  with pytest.raises(ConfigError, match="does not fit in --device_memory_gib .* with the "
+                     "activations split over the batch axes"):
+    memory.check_fits(below, CFG, mesh)
