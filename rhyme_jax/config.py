@@ -50,7 +50,7 @@ TASK_REWARDS = {"arithmetic": "arithmetic", "gsm8k": "gsm8k+0.1*format"}
 # round of the prompt stream (rl.hosts.my_data_state).
 RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "run.keep_checkpoints",
                      "run.eval_every", "run.eval_size", "run.log_every", "run.device_memory_gib",
-                     "run.record_rollouts",
+                     "run.record_rollouts", "rl.remat",
                      "rollout.attention", "rollout.schedule", "rollout.speculate",
                      "rollout.divide_every", "rollout.park_rows", "rollout.compile_threads",
                      "rollout.multi_step", "rollout.balance_hosts",
@@ -120,6 +120,7 @@ class RLOptions:
   normalize_std: bool
   ppo_epochs: int
   micro_batch_size: int  # samples per gradient micro-batch; 0 = the whole batch at once
+  remat: bool  # recompute each layer's activations in the backward pass
   dynamic_sampling: bool
   dynamic_sampling_max_rounds: int  # rollout rounds per step at most (1 = no refill)
   overlong_buffer: int  # DAPO soft overlong penalty over the last N tokens; 0 = off
@@ -290,6 +291,10 @@ _FLAGS = {
         ("ppo_epochs", 1, "Optimisation epochs over each rollout batch."),
         ("micro_batch_size", 0, "Samples per gradient micro-batch and process (0 = whole "
          "batch); must divide group_size * prompts_per_step."),
+        ("remat", False, "Recompute each layer's activations in the backward pass instead of "
+         "keeping them (gradient checkpointing): a micro-batch keeps one input per layer and "
+         "one layer's working set at a time, for about a third more training compute. The "
+         "same values to float rounding; the --dry_run memory estimate counts it."),
         ("dynamic_sampling", False, "Drop groups whose rewards are all equal and refill from "
          "the next prompts (DAPO)."),
         ("dynamic_sampling_max_rounds", 3, "Rollout rounds per step at most when refilling."),

@@ -139,7 +139,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, *,
                cache: KVCache | None = None, cache_len_B: jax.Array | None = None,
-               mask_BxTxT: jax.Array | None = None) -> Output:
+               mask_BxTxT: jax.Array | None = None, remat: bool = False) -> Output:
     """Runs T new tokens per row.
 
     Without a cache the T tokens attend among themselves (`mask_BxTxT`, causal by default).
@@ -147,15 +147,25 @@ class Transformer(nnx.Module):
     sees the prefix `[0, cache_len_B)` plus the new tokens `mask_BxTxT` allows: a causal mask
     for prefill chunks and chains, an ancestor mask for draft trees. `positions_BxT` are the
     RoPE positions (prefix length + tree depth for tree tokens).
+
+    `remat` (training, no cache): each layer's activations are recomputed in the backward
+    pass instead of kept (`jax.checkpoint` per layer), so a gradient keeps one B×T×D input
+    per layer and one layer's working set at a time, for about a third more compute. The
+    same values to float rounding.
     """
     b, t = tokens_BxT.shape
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(attention.causal_mask(t), (b, t, t))
     if cache is not None and cache_len_B is None:
       raise ValueError("cache_len_B is required with a cache")
+    if remat and cache is not None:
+      raise ValueError("remat is for training: it takes no cache")
     x = self.embed(tokens_BxT)
     for i, layer in enumerate(self.layers):
-      x, cache = layer(x, positions_BxT, mask_BxTxT, cache, i, cache_len_B)
+      if remat:
+        x = _remat_block(layer, x, positions_BxT, mask_BxTxT)
+      else:
+        x, cache = layer(x, positions_BxT, mask_BxTxT, cache, i, cache_len_B)
     hidden = self.final_norm(x)
     return Output(self._logits(hidden), cache)
 
@@ -172,6 +182,19 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, cache = layer.packed(x, positions_P, cache, i, pk)
     return self._logits(self.final_norm(x)), cache
+
+
+def _remat_block(layer: Block, x, positions_BxT, mask_BxTxT):
+  """A training block (no cache) whose activations the backward pass recomputes: the block
+  as a pure function of its state under `jax.checkpoint` (nnx.remat writes the state back,
+  which the learner's scanned, differentiated micro-batches cannot take)."""
+  graphdef, state = nnx.split(layer)
+
+  @jax.checkpoint
+  def block(state, x):
+    return nnx.merge(graphdef, state)(x, positions_BxT, mask_BxTxT, None, 0, None)[0]
+
+  return block(state, x)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -66,10 +66,10 @@ def loss_config(config: Config) -> losses.PolicyLossConfig:
       kl_beta=rl.kl_beta, kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap or None)
 
 
-def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature):
+def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, remat=False):
   model = nnx.merge(graphdef, params)
   positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-  logits_BxTxV = model(tokens_BxT, positions_BxT).logits_BxTxV
+  logits_BxTxV = model(tokens_BxT, positions_BxT, remat=remat).logits_BxTxV
   return (losses.token_logprobs(logits_BxTxV, targets_BxT, temperature),
           jax.lax.stop_gradient(losses.entropy(logits_BxTxV, temperature)))
 
@@ -80,12 +80,14 @@ def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):
 
 
 def update_step(graphdef, tx, loss_name: str, loss_cfg: losses.PolicyLossConfig,
-                temperature: float, num_micro: int, params, opt_state, batch):
-  """One optimiser update; gradients are averaged over `num_micro` micro-batches (lax.scan)."""
+                temperature: float, num_micro: int, params, opt_state, batch, *, remat=False):
+  """One optimiser update; gradients are averaged over `num_micro` micro-batches (lax.scan).
+  `remat` (--remat): each layer's activations are recomputed in the backward pass."""
   loss_fn = losses.get_loss(loss_name)
 
   def micro_loss(p, mb):
-    logp_BxT, ent_BxT = _forward_logprobs(graphdef, p, mb["tokens"], mb["targets"], temperature)
+    logp_BxT, ent_BxT = _forward_logprobs(graphdef, p, mb["tokens"], mb["targets"], temperature,
+                                          remat)
     return loss_fn(logp_BxT, mb.get("old"), mb["adv"], mb["mask"], config=loss_cfg,
                    logp_ref_BxT=mb.get("ref"), logp_rollout_BxT=mb.get("rollout"),
                    entropy_BxT=ent_BxT)
@@ -132,7 +134,8 @@ class Learner:
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding if x.ndim else rep, tree)
     self._update = jax.jit(
         functools.partial(update_step, self.graphdef, self.tx, c.rl.loss, loss_config(c),
-                          c.rollout.temperature, self.num_rows // self.micro),
+                          c.rollout.temperature, self.num_rows // self.micro,
+                          remat=c.rl.remat),
         donate_argnums=(0, 1),
         out_shardings=(shardings(self.params), shardings(self.opt_state), None))
     self._logprobs = jax.jit(functools.partial(logprob_step, self.graphdef,

@@ -104,7 +104,8 @@ def abstract_params(model_config: ModelConfig) -> nnx.State:
   return nnx.state(abstract, nnx.Param)
 
 
-def activation_bytes(model_config: ModelConfig, rows: int, seq: int, itemsize: int) -> int:
+def activation_bytes(model_config: ModelConfig, rows: int, seq: int, itemsize: int,
+                     remat: bool = False) -> int:
   """What one micro-batch's forward keeps for the backward pass, per layer and at the head.
 
   Per layer and token: the block input and the normed inputs of attention and MLP (3 D), the
@@ -114,13 +115,16 @@ def activation_bytes(model_config: ModelConfig, rows: int, seq: int, itemsize: i
   XLA's memory analysis at T = 64-512, where counting two left the estimate 26% low at 256
   tokens). At the head, the float32 logits, their log-softmax and its gradient (3 V per
   token). XLA reuses buffers, so this is a model of the peak, not an exact count. `rows` are
-  the rows one device holds (see MemoryEstimate.activations_sharded).
+  the rows one device holds (see MemoryEstimate.activations_sharded). With `remat` (--remat)
+  a layer keeps only its input (D per token) and one layer's working set is live at a time.
   """
   m = model_config
   per_token = (3 * m.hidden_size + 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
                + 3 * m.intermediate_size) * itemsize
   per_row = 4 * m.num_heads * seq * seq * 4
-  layers = m.num_layers * (rows * seq * per_token + rows * per_row)
+  layer = rows * seq * per_token + rows * per_row
+  layers = (m.num_layers * rows * seq * m.hidden_size * itemsize + layer if remat
+            else m.num_layers * layer)
   head = rows * seq * 3 * m.vocab_size * 4
   return layers + head
 
@@ -146,7 +150,7 @@ def estimate(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimate:
   rows = c.rl.micro_batch_size or c.rl.samples_per_step  # this process's
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   seq = length_buckets(c.rollout.max_prompt_len + c.rollout.max_new_tokens)[-1]
-  act = lambda n: activation_bytes(m, n, seq, jnp.dtype(m.jnp_dtype).itemsize)
+  act = lambda n: activation_bytes(m, n, seq, jnp.dtype(m.jnp_dtype).itemsize, c.rl.remat)
   return MemoryEstimate(
       params=p_bytes, opt_state=o_bytes, ref_params=p_bytes if c.rl.kl_beta > 0 else 0,
       grads=3 * p_bytes, activations=act(rows),

@@ -68,6 +68,16 @@ def test_micro_batches_average_to_the_full_batch_gradient():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_remat_updates_as_keeping_activations_does():
+  """--remat recomputes each layer in the backward pass: the same update to float rounding."""
+  kept, remat = _learner("--micro_batch_size=2"), _learner("--micro_batch_size=2", "--remat")
+  groups = _groups([[1.0, 0.0], [0.2, 0.9]])
+  m_kept, m_remat = kept.train_on(groups), remat.train_on(groups)
+  assert m_kept["grad_norm"] == pytest.approx(m_remat["grad_norm"], rel=1e-5)
+  for a, b in zip(_params(kept), _params(remat)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow  # compiles the update and the log-prob step (~1 min on 2 shared cores)
 def test_second_epoch_sees_kl_to_the_reference():
   learner = _learner("--ppo_epochs=2", "--kl_beta=0.1")

@@ -108,3 +108,17 @@ def test_a_run_that_fits_only_with_sharded_activations_is_warned_not_refused(cap
   with pytest.raises(ConfigError, match="does not fit in --device_memory_gib .* with the "
                      "activations split over the batch axes"):
     memory.check_fits(below, CFG, mesh)
+
+
+def test_remat_estimate_keeps_one_input_per_layer_and_one_layers_working_set():
+  """--remat: every layer keeps its B x T x D input; one layer's full working set is live at a
+  time (tests/models/test_transformer.py checks what the gradient keeps)."""
+  flags = ["--max_new_tokens=224"]
+  kept = memory.estimate(parse_flags(FLAGS + flags), CFG, _setup()[1])
+  remat = memory.estimate(parse_flags(FLAGS + flags + ["--remat"]), CFG, _setup()[1])
+  rows, seq = 4, length_buckets(32 + 224)[-1]
+  head = rows * seq * 3 * CFG.vocab_size * 4
+  one_layer = (kept.activations - head) // CFG.num_layers
+  inputs = CFG.num_layers * rows * seq * CFG.hidden_size * 4
+  assert remat.activations == inputs + one_layer + head
+  assert remat.activations < kept.activations / 2

@@ -1,0 +1,53 @@
+"""models/transformer.py: what a gradient keeps with and without `remat` (--remat)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint prints
+
+from rhyme_jax.models.attention import KVCache
+from rhyme_jax.models.config import ModelConfig
+from rhyme_jax.models.transformer import init_model
+from rhyme_jax.rl import losses
+
+CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+B, T = 2, 48
+
+
+def _residuals(remat: bool):
+  """The arrays the backward pass of the training loss keeps (weights and constants aside)."""
+  graphdef, state = nnx.split(init_model(CFG, 0))
+  tokens_BxT = jnp.asarray(np.random.default_rng(0).integers(0, 128, (B, T)), jnp.int32)
+  positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+  def loss(state):
+    model = nnx.merge(graphdef, state)
+    logits_BxTxV = model(tokens_BxT, positions_BxT, remat=remat).logits_BxTxV
+    return losses.token_logprobs(logits_BxTxV, tokens_BxT).mean()
+
+  return [a for a, why in saved_residuals(loss, state)
+          if "argument" not in why and "constant" not in why and "literal" not in why]
+
+
+def test_remat_keeps_each_layers_input_and_no_attention_arrays():
+  kept, remat = _residuals(False), _residuals(True)
+  square = lambda res: [a for a in res if a.dtype == jnp.float32 and a.shape.count(T) >= 2]
+  assert square(kept)  # without remat every layer keeps its T x T scores and probabilities
+  assert not square(remat)
+  width = [a for a in remat if a.shape == (B, T, CFG.hidden_size)]
+  # each layer's input (the embedding, then the blocks' outputs) and the final norm's few
+  assert CFG.num_layers <= len(width) <= CFG.num_layers + 3
+  size = lambda res: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res)
+  assert size(remat) < size(kept) / 4
+
+
+def test_remat_takes_no_cache():
+  model = init_model(CFG, 0)
+  cache = KVCache.zeros(CFG, 1, 8)
+  with pytest.raises(ValueError, match="remat is for training"):
+    model(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache=cache,
+          cache_len_B=jnp.zeros(1, jnp.int32), remat=True)
