@@ -39,6 +39,15 @@ def _check_groups(rewards: jax.Array, name: str) -> None:
                      f"{rewards.shape[1]}")
 
 
+def _centred(rewards: jax.Array) -> jax.Array:
+  """Reward minus its group's mean, exactly 0 for a group whose rewards are all equal: in
+  float32 the mean of G equal rewards can miss them by an ulp (1.1 x 16 does), and dividing
+  that by a std of the same size would give every sample one advantage of ~0.1."""
+  adv = rewards - jnp.mean(rewards, axis=1, keepdims=True)
+  same = jnp.all(rewards == rewards[:, :1], axis=1, keepdims=True)
+  return jnp.where(same, 0.0, adv)
+
+
 def _group_std(rewards: jax.Array) -> jax.Array:
   """Unbiased (ddof=1) std per group, as torch.std in the GRPO reference code, [N, 1]."""
   return jnp.std(rewards, axis=1, keepdims=True, ddof=1)
@@ -54,7 +63,7 @@ def grpo(rewards: jax.Array, *, normalize_std: bool = True,
   """
   _check_groups(rewards, "grpo")
   rewards = rewards.astype(jnp.float32)
-  adv = rewards - jnp.mean(rewards, axis=1, keepdims=True)
+  adv = _centred(rewards)
   if normalize_std:
     adv = adv / (_group_std(rewards) + eps)
   return adv
@@ -71,9 +80,8 @@ def rloo(rewards: jax.Array, *, normalize_std: bool = False,
   _check_groups(rewards, "rloo")
   rewards = rewards.astype(jnp.float32)
   g = rewards.shape[1]
-  # r_i - (sum - r_i) / (G - 1) == G / (G - 1) * (r_i - mean); this form is exactly 0 for a
-  # constant group in floating point.
-  adv = (g / (g - 1)) * (rewards - jnp.mean(rewards, axis=1, keepdims=True))
+  # r_i - (sum - r_i) / (G - 1) == G / (G - 1) * (r_i - mean)
+  adv = (g / (g - 1)) * _centred(rewards)
   if normalize_std:
     adv = adv / (_group_std(rewards) + eps)
   return adv

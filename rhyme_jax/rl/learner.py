@@ -70,8 +70,10 @@ def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, re
   model = nnx.merge(graphdef, params)
   positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
   logits_BxTxV = model(tokens_BxT, positions_BxT, remat=remat).logits_BxTxV
+  # The entropy keeps its gradient: a loss with an entropy bonus (entropy_coef > 0) needs it,
+  # and one without only reports it (metrics carry no gradient).
   return (losses.token_logprobs(logits_BxTxV, targets_BxT, temperature),
-          jax.lax.stop_gradient(losses.entropy(logits_BxTxV, temperature)))
+          losses.entropy(logits_BxTxV, temperature))
 
 
 def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):
@@ -79,9 +81,24 @@ def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):
   return _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature)[0]
 
 
+def micro_weights(mask_MxRxT: jax.Array, aggregation: str) -> tuple[jax.Array, jax.Array]:
+  """Each micro-batch's share of what the loss averages over ([M]: valid tokens for
+  'token-mean', sequences with a valid token for 'seq-mean-token-mean') and of the valid
+  tokens ([M], for token-mean metrics); all zero for a batch without valid tokens."""
+  mask_MxRxT = mask_MxRxT.astype(jnp.float32)
+  tokens_M = jnp.sum(mask_MxRxT, axis=(1, 2))
+  if aggregation == "token-mean":
+    counts_M = tokens_M
+  else:
+    counts_M = jnp.sum(jnp.sum(mask_MxRxT, axis=2) > 0, axis=1).astype(jnp.float32)
+  share = lambda n_M: n_M / jnp.maximum(jnp.sum(n_M), 1.0)
+  return share(counts_M), share(tokens_M)
+
+
 def update_step(graphdef, tx, loss_name: str, loss_cfg: losses.PolicyLossConfig,
                 temperature: float, num_micro: int, params, opt_state, batch, *, remat=False):
-  """One optimiser update; gradients are averaged over `num_micro` micro-batches (lax.scan).
+  """One optimiser update over `num_micro` micro-batches (lax.scan), each weighted by its
+  share of what the loss averages over (`micro_weights`): the whole batch's gradient.
   `remat` (--remat): each layer's activations are recomputed in the backward pass."""
   loss_fn = losses.get_loss(loss_name)
 
@@ -97,18 +114,24 @@ def update_step(graphdef, tx, loss_name: str, loss_cfg: losses.PolicyLossConfig,
       lambda x: jnp.moveaxis(x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:]), 1, 0),
       batch)
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  # A micro-batch's loss is a mean over its own tokens (token-mean) or sequences: weighted by
+  # its share of the batch's, the sum is the whole batch's loss and gradient, whatever the
+  # lengths and empty rows. Metrics are token-means: weighted by tokens.
+  weight_M, token_weight_M = micro_weights(micro["mask"], loss_cfg.aggregation)
 
-  def body(acc, mb):
+  def body(acc, xs):
+    mb, w, tw = xs
     (loss, mets), grads = grad_fn(params, mb)
-    return jax.tree.map(jnp.add, acc, (grads, loss, mets)), None
+    scaled = (jax.tree.map(lambda g: w * g, grads), w * loss,
+              jax.tree.map(lambda m: tw * m, mets))
+    return jax.tree.map(jnp.add, acc, scaled), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   mets0 = jax.eval_shape(lambda: micro_loss(params, jax.tree.map(lambda x: x[0], micro))[1])
   mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
-  (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0), mets0), micro)
-  grads = jax.tree.map(lambda g: g / num_micro, grads)
-  mets = {k: v / num_micro for k, v in mets.items()}
-  mets["loss"] = loss / num_micro
+  (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0), mets0),
+                                        (micro, weight_M, token_weight_M))
+  mets["loss"] = loss
   mets["grad_norm"] = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)

@@ -55,6 +55,20 @@ def test_matches_numpy(name, ref, normalize_std, shape):
     np.testing.assert_allclose(got[0], 0.0, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+@pytest.mark.parametrize("value, g", [(1.1, 16), (1.2, 8), (1.3, 64), (0.1, 16), (1.2, 64)])
+def test_equal_rewards_give_exactly_zero_advantage(name, value, g):
+  """In float32 the mean of G equal rewards can miss them by an ulp (1.1 x 16: the reward of a
+  correct, well-formatted answer under gsm8k+0.1*format); normalised by a std of the same
+  size, that became an advantage of about -0.1 for every sample of the group."""
+  rewards = jnp.full((2, g), value, jnp.float32).at[1, 0].set(value + 1.0)
+  for normalize_std in (True, False):
+    adv = np.asarray(jax.jit(lambda r: advantages.get_advantage(name)(
+        r, normalize_std=normalize_std))(rewards))
+    np.testing.assert_array_equal(adv[0], 0.0)
+    assert adv[1, 0] > 0 > adv[1, 1]  # a group that differs keeps its advantages
+
+
 def test_grpo_normalised_has_unit_std_and_zero_mean():
   rewards = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
   adv = advantages.grpo(rewards, eps=0.0)

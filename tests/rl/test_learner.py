@@ -68,6 +68,40 @@ def test_micro_batches_average_to_the_full_batch_gradient():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _ragged_groups(rewards, lengths):
+  """Groups whose responses have the given lengths (tokens), not all alike."""
+  rng = np.random.default_rng(1)
+  groups, it = [], iter(lengths)
+  for i, rs in enumerate(rewards):
+    p = prompt_of(Example(f"u{i}", "q", "a"), rng.integers(1, 64, 5))
+    groups.append([])
+    for r in rs:
+      n = next(it)
+      groups[-1].append(Sample(p, rng.integers(1, 64, n).astype(np.int32),
+                               np.full(n, -4.0, np.float32), "stop", reward=r))
+  return groups
+
+
+@pytest.mark.parametrize("aggregation, rewards, lengths", [
+    ("token-mean", [[1.0, 0.0], [0.2, 0.9]], [6, 1, 1, 8]),  # unequal token counts
+    ("token-mean", [[1.0, 0.0]], [6, 2]),  # one group: two of the four rows are padding
+    ("seq-mean-token-mean", [[1.0, 0.0]], [6, 2]),
+], ids=["ragged", "padding", "padding-seq-mean"])
+def test_micro_batches_give_the_whole_batch_gradient_whatever_the_lengths(aggregation, rewards,
+                                                                         lengths):
+  """Each micro-batch's loss is a mean over its own tokens (or sequences): weighted by its
+  share of the batch's (learner.micro_weights) the update is the whole batch's. An equal
+  1/M weighting gave short responses and empty rows the wrong weight."""
+  flags = ("--weight_decay=0", f"--loss_aggregation={aggregation}")
+  whole, micro = _learner(*flags), _learner(*flags, "--micro_batch_size=1")
+  groups = _ragged_groups(rewards, lengths)
+  m_whole, m_micro = whole.train_on(groups), micro.train_on(groups)
+  assert m_whole["train/loss"] == pytest.approx(m_micro["train/loss"], rel=1e-4, abs=1e-7)
+  assert m_whole["grad_norm"] == pytest.approx(m_micro["grad_norm"], rel=1e-4)
+  for a, b in zip(_params(whole), _params(micro)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_remat_updates_as_keeping_activations_does():
   """--remat recomputes each layer in the backward pass: the same update to float rounding."""
   kept, remat = _learner("--micro_batch_size=2"), _learner("--micro_batch_size=2", "--remat")
