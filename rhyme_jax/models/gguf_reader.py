@@ -114,6 +114,16 @@ class GGUFFile:
     num_heads = int(self.get(f"{a}.attention.head_count"))
     num_kv = int(self.get(f"{a}.attention.head_count_kv", num_heads))
     head_dim = int(self.get(f"{a}.attention.key_length", hidden // num_heads))
+    # RoPE as llama.cpp would apply it and this decoder does not: refused, not ignored.
+    scaling = str(self.get(f"{a}.rope.scaling.type", "none"))
+    if scaling != "none" or float(self.get(f"{a}.rope.scaling.factor", 1.0)) != 1.0:
+      raise ValueError(f"{self.path}: field '{a}.rope.scaling.type' is {scaling!r} (factor "
+                       f"{self.get(f'{a}.rope.scaling.factor', 1.0)}): RoPE scaling in a GGUF "
+                       "is not supported; load the HF checkpoint instead")
+    rotary = int(self.get(f"{a}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+      raise ValueError(f"{self.path}: field '{a}.rope.dimension_count' is {rotary}, not the "
+                       f"head dim {head_dim}: partial rotary embeddings are not supported")
     embd = self.tensors.get("token_embd.weight")
     if embd is not None:
       vocab = int(embd.shape[-1])  # ggml order: [hidden, vocab]; the matrix is authoritative

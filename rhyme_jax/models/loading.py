@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable
 
 import jax
@@ -291,7 +292,31 @@ def _hf_config(directory: str, param_dtype=None) -> ModelConfig:
 
 def _open_hf(directory: str, param_dtype=None) -> tuple[ModelConfig, "_HFCheckpoint"]:
   """config.json and every safetensors header, validated (no tensor data read)."""
-  return _hf_config(directory, param_dtype), _HFCheckpoint(directory)
+  cfg, ckpt = _hf_config(directory, param_dtype), _HFCheckpoint(directory)
+  _check_no_unused_tensors(cfg, ckpt)
+  return cfg, ckpt
+
+
+# Buffers some checkpoints carry that the model computes itself.
+_DERIVED_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _check_no_unused_tensors(cfg: ModelConfig, ckpt: "_HFCheckpoint") -> None:
+  """A tensor the model would not read means config.json describes a model other than the
+  one in the files (e.g. biases this decoder does not have): refused, naming it, rather than
+  loaded without it into a model that computes other logits."""
+  _, params, _ = _abstract_model(cfg)
+  wanted = {_hf_name(_param_path(p)) for p, _ in
+            jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
+  if cfg.tie_word_embeddings:
+    wanted.add("lm_head.weight")  # tied checkpoints may still store the copy
+  unused = sorted(n for n in ckpt.where if n not in wanted and not _DERIVED_TENSOR.search(n))
+  if unused:
+    path = os.path.join(ckpt.directory, ckpt.where[unused[0]])
+    more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+    raise ModelError(f"{path}: tensor {unused[0]!r}{more} has no place in the model "
+                     f"{_cfg_summary(cfg)}: config.json describes another model, or one with "
+                     "parts this decoder does not implement")
 
 
 def read_model_config(name_or_path: str | os.PathLike, *, param_dtype=None) -> ModelConfig:
@@ -321,18 +346,39 @@ def read_model_config(name_or_path: str | os.PathLike, *, param_dtype=None) -> M
 def _normalize_hf_config(hf: dict, source: str) -> dict:
   """Maps transformers>=5 `rope_parameters` onto the older `rope_theta`/`rope_scaling` fields.
 
-  Also rejects sliding-window attention, which the decoder does not implement.
+  Also refuses, naming the field, what the decoder does not implement and would otherwise
+  ignore: sliding-window attention, biases on the attention output or the MLP, an MLP
+  activation other than SiLU.
   """
   hf = dict(hf)
+  names = set(hf.get("architectures") or []) | {hf.get("model_type")}
   rp = hf.get("rope_parameters")
   if isinstance(rp, dict):
     if "rope_theta" in rp:
       hf.setdefault("rope_theta", rp["rope_theta"])
-    if rp.get("rope_type", "default") != "default" and not hf.get("rope_scaling"):
+    kind = rp.get("rope_type", "default")
+    if kind not in ("default", "llama3"):
+      raise ModelError(f"{source}: field 'rope_parameters' has unsupported rope_type "
+                       f"{kind!r}; supported: llama3, default")
+    if kind != "default" and not hf.get("rope_scaling"):
       hf["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
   if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
     raise ModelError(f"{source}: sliding-window attention (field 'use_sliding_window' / "
                      "'layer_types') is not supported")
+  # Mistral attends within `sliding_window` tokens whenever it is set (transformers' default
+  # for the field is 4096); Qwen2 carries the field too, switched by use_sliding_window.
+  if names & {"MistralForCausalLM", "mistral"} and hf.get("sliding_window", 4096) is not None:
+    raise ModelError(f"{source}: field 'sliding_window' is {hf.get('sliding_window', 4096)}: "
+                     "sliding-window attention is not supported (where every sequence is "
+                     "shorter than the window, null gives the same model)")
+  if hf.get("attention_bias") and not names & {"Qwen2ForCausalLM", "qwen2"}:
+    raise ModelError(f"{source}: field 'attention_bias' is true: a bias on the attention "
+                     "output projection (o_proj) is not supported")
+  if hf.get("mlp_bias"):
+    raise ModelError(f"{source}: field 'mlp_bias' is true: MLP biases are not supported")
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act not in ("silu", "swish"):
+    raise ModelError(f"{source}: field 'hidden_act' is {act!r}: only silu is supported")
   return hf
 
 

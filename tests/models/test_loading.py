@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -377,3 +378,62 @@ def test_hf_config_field_of_the_wrong_type_is_one_error(hf_dir, field, value):
   (hf_dir / "config.json").write_text(json.dumps(cfg))
   with pytest.raises(ModelError, match=rf"{hf_dir}"):
     read_model_config(hf_dir)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"attention_bias": True}, "field 'attention_bias' is true: a bias on the attention output"),
+    ({"mlp_bias": True}, "field 'mlp_bias' is true"),
+    ({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu': only silu"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+     "field 'sliding_window' is 4096"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "field 'rope_parameters' has unsupported rope_type 'linear'"),
+], ids=["attention_bias", "mlp_bias", "hidden_act", "mistral_window", "rope_parameters"])
+def test_hf_config_parts_the_decoder_lacks_are_refused_not_ignored(hf_dir, changes, message):
+  """Fields that change what the model computes and that this decoder does not implement: a
+  load that ignored them computed other logits than transformers (llama attention_bias: max
+  |diff| 2.7 on logits of scale 4)."""
+  cfg = json.loads((hf_dir / "config.json").read_text())
+  cfg.update(changes)
+  (hf_dir / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ModelError, match=rf"config\.json: {re.escape(message)}"):
+    read_model_config(hf_dir)
+  if "sliding_window" in changes:  # a Mistral without a window is the model this decoder runs
+    (hf_dir / "config.json").write_text(json.dumps(dict(cfg, sliding_window=None)))
+    assert read_model_config(hf_dir).arch == "llama"
+
+
+def test_hf_tensor_the_model_would_not_read_is_refused(hf_dir):
+  """A tensor nothing reads means config.json describes another model (here: an o_proj bias
+  with the flag that says so removed): named, not silently dropped."""
+  st = hf_dir / "model.safetensors"
+  tensors = load_file(str(st))
+  tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(64, np.float32)
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # derived
+  save_file(tensors, str(st))
+  with pytest.raises(ModelError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn"
+                     r"\.o_proj\.bias' has no place in the model"):
+    read_model_config(hf_dir)
+  del tensors["model.layers.0.self_attn.o_proj.bias"]
+  save_file(tensors, str(st))
+  load_hf_checkpoint(hf_dir)  # the RoPE buffer some checkpoints carry is fine
+
+
+@pytest.mark.parametrize("extra, message", [
+    (lambda w: (w.add_string("llama.rope.scaling.type", "linear"),
+                w.add_float32("llama.rope.scaling.factor", 4.0)),
+     "field 'llama.rope.scaling.type' is 'linear'"),
+    (lambda w: w.add_uint32("llama.rope.dimension_count", 8),
+     "field 'llama.rope.dimension_count' is 8"),
+], ids=["scaling", "partial_rotary"])
+def test_gguf_rope_the_decoder_lacks_is_refused(tmp_path, monkeypatch, extra, message):
+  writer = gguf.GGUFWriter.write_header_to_file
+
+  def with_extra(self, *a, **kw):
+    extra(self)
+    return writer(self, *a, **kw)
+
+  monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_extra)
+  path = write_gguf(tmp_path / "m.gguf", _tiny_hf("llama", tied=True), "llama")
+  with pytest.raises(ModelError, match=rf"m\.gguf: {re.escape(message)}"):
+    read_model_config(path)
