@@ -172,12 +172,15 @@ class Tokenizer:
         raise ValueError(f"{conf_path}: field {field!r} names {text!r}, not in the vocabulary")
       return i
 
+    # End ids from config.json and generation_config.json (what transformers' generate stops
+    # at: instruct models list their end-of-turn token there).
     extra = []
-    cfg_path = os.path.join(directory, "config.json")
-    if os.path.isfile(cfg_path):
-      with open(cfg_path) as f:
-        e = json.load(f).get("eos_token_id")
-      extra = [e] if isinstance(e, int) else list(e or [])
+    for name in ("config.json", "generation_config.json"):
+      path = os.path.join(directory, name)
+      if os.path.isfile(path):
+        with open(path) as f:
+          e = json.load(f).get("eos_token_id")
+        extra += [i for i in ([e] if isinstance(e, int) else list(e or [])) if i not in extra]
     eos = tid("eos_token")
     if eos is None and extra:
       eos = extra[0]

@@ -96,6 +96,10 @@ def test_from_directory_matches_gguf(tmp_path, smollm2_tokenizer, smollm2_hf_tok
   assert tok.stop_ids[0] == smollm2_tokenizer.eos_id
   for msgs in MESSAGES:
     assert tok.apply_chat_template(msgs) == smollm2_tokenizer.apply_chat_template(msgs)
+  # generate stops at generation_config.json's end ids too (an instruct model's end of turn)
+  (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 11]}')
+  (tmp_path / "config.json").write_text('{"eos_token_id": 11}')
+  assert {7, 11} <= set(load_tokenizer(str(tmp_path)).stop_ids)
 
 
 def test_template_raise_exception_and_sandbox(tmp_path, smollm2_hf_tokenizer):
