@@ -205,8 +205,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
   # A run that cannot fit: the plan says so and the dry run fails as the run would (exit 2).
   proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
-                  "--device_memory_gib=0.001")
+                  "--device_memory_gib=0.001", "--remat")
   assert "device memory 0.00 GiB: DOES NOT FIT" in proc.stdout
+  assert "each layer recomputed in the backward pass (--remat)" in proc.stdout
   assert_one_line_error(proc, 2, "the run does not fit in --device_memory_gib (0.00 GiB per "
                         "device)")
   assert not (tmp_path / "run").exists()

@@ -286,7 +286,7 @@ def _hf_config(directory: str, param_dtype=None) -> ModelConfig:
       raise ModelError(f"{cfg_path}: invalid JSON: {e}") from e
   if not isinstance(hf_cfg, dict):
     raise ModelError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
-  return ModelConfig.from_hf(_normalize_hf_config(hf_cfg, cfg_path), source=cfg_path,
+  return ModelConfig.from_hf(hf_cfg, source=cfg_path,
                              **_overrides(param_dtype))
 
 
@@ -341,45 +341,6 @@ def read_model_config(name_or_path: str | os.PathLike, *, param_dtype=None) -> M
                      ) from e
   except (TypeError, AttributeError, ZeroDivisionError) as e:  # a field of the wrong type or 0
     raise ModelError(f"{name_or_path}: malformed model config ({type(e).__name__}: {e})") from e
-
-
-def _normalize_hf_config(hf: dict, source: str) -> dict:
-  """Maps transformers>=5 `rope_parameters` onto the older `rope_theta`/`rope_scaling` fields.
-
-  Also refuses, naming the field, what the decoder does not implement and would otherwise
-  ignore: sliding-window attention, biases on the attention output or the MLP, an MLP
-  activation other than SiLU.
-  """
-  hf = dict(hf)
-  names = set(hf.get("architectures") or []) | {hf.get("model_type")}
-  rp = hf.get("rope_parameters")
-  if isinstance(rp, dict):
-    if "rope_theta" in rp:
-      hf.setdefault("rope_theta", rp["rope_theta"])
-    kind = rp.get("rope_type", "default")
-    if kind not in ("default", "llama3"):
-      raise ModelError(f"{source}: field 'rope_parameters' has unsupported rope_type "
-                       f"{kind!r}; supported: llama3, default")
-    if kind != "default" and not hf.get("rope_scaling"):
-      hf["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
-  if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
-    raise ModelError(f"{source}: sliding-window attention (field 'use_sliding_window' / "
-                     "'layer_types') is not supported")
-  # Mistral attends within `sliding_window` tokens whenever it is set (transformers' default
-  # for the field is 4096); Qwen2 carries the field too, switched by use_sliding_window.
-  if names & {"MistralForCausalLM", "mistral"} and hf.get("sliding_window", 4096) is not None:
-    raise ModelError(f"{source}: field 'sliding_window' is {hf.get('sliding_window', 4096)}: "
-                     "sliding-window attention is not supported (where every sequence is "
-                     "shorter than the window, null gives the same model)")
-  if hf.get("attention_bias") and not names & {"Qwen2ForCausalLM", "qwen2"}:
-    raise ModelError(f"{source}: field 'attention_bias' is true: a bias on the attention "
-                     "output projection (o_proj) is not supported")
-  if hf.get("mlp_bias"):
-    raise ModelError(f"{source}: field 'mlp_bias' is true: MLP biases are not supported")
-  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-  if act not in ("silu", "swish"):
-    raise ModelError(f"{source}: field 'hidden_act' is {act!r}: only silu is supported")
-  return hf
 
 
 def load_gguf(path: "str | os.PathLike | GGUFFile", *, param_dtype=None,

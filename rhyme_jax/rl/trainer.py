@@ -91,7 +91,8 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
       f"{c.rollout.schedule}",
       f"train step: sequence buckets {length_buckets(s)}, "
-      f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}",
+      f"{n // (c.rl.micro_batch_size or n)} micro-batch(es) of {c.rl.micro_batch_size or n}"
+      + (", each layer recomputed in the backward pass (--remat)" if c.rl.remat else ""),
       f"memory: {est.describe()}; device memory "
       + (f"{gib(limit)}: {memory.fit_verdict(est, limit)}" if limit
          else "not reported (no check)"),
