@@ -196,13 +196,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_model):
   assert "rollout engine: batch buckets (4, 2, 1)" in out
   assert "sequence buckets (64, 128, 132)" in out
   assert "memory" in out and "GiB" in out
-  assert "data: 4 train examples (arithmetic)" in out
+  assert "data: 4 train examples (arithmetic)" in out and "2 steps per epoch" in out
   assert "processes: one" in out
   assert not (tmp_path / "run").exists()
   proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
                   "--coordinator_address=10.0.0.1:8476", "--num_processes=4", "--process_id=0")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "processes: 4 meeting at 10.0.0.1:8476" in proc.stdout
+  assert "1 steps per epoch" in proc.stdout  # 4 examples, 2 prompts a step on each of 4
   # A run that cannot fit: the plan says so and the dry run fails as the run would (exit 2).
   proc = run_main(*tiny_flags(tiny_model, tmp_path / "run"), "--dry_run",
                   "--device_memory_gib=0.001", "--remat")

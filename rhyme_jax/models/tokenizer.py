@@ -239,13 +239,18 @@ class Tokenizer:
   # ----- chat
 
   def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                          tokenize: bool = False, **kwargs) -> str | list[int]:
+                          tokenize: bool = False, now: datetime.datetime | None = None,
+                          **kwargs) -> str | list[int]:
     """Renders `messages` ([{"role", "content"}, ...]) with the model's template.
 
-    With `tokenize=True` returns ids (special tokens in the text are matched whole).
+    With `tokenize=True` returns ids (special tokens in the text are matched whole). `now`:
+    the time a template's `strftime_now` reads (Llama-3.x prints today's date into the system
+    message); default the wall clock, as transformers renders.
     """
     if not self.chat_template:
       raise ValueError(f"{self.source}: no chat template")
+    if now is not None:
+      kwargs.setdefault("strftime_now", now.strftime)
     bos = self.id_to_token(self._bos_id) if self._bos_id is not None else ""
     text = _compiled_template(self.chat_template).render(
         messages=list(messages), add_generation_prompt=add_generation_prompt,

@@ -13,6 +13,7 @@ history store and the step's metrics. `pack_batch` lays a step's samples out for
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
 import zlib
@@ -117,10 +118,17 @@ def encode_prompts(texts: Sequence[str], examples: Sequence[Example], epochs: Se
   return out
 
 
+# The date a chat template that prints today's (Llama-3.x) reads in training prompts: a prompt
+# must be a function of its example alone, or its tokens (and history key) would change at
+# midnight, across a resume or between hosts. The templates' own fallback date.
+PROMPT_DATE = datetime.datetime(2024, 7, 26)
+
+
 def chat_renderer(tokenizer):
-  """The chat template as the rollout renders prompts: a generation prompt, not tokenized."""
+  """The chat template as the rollout renders prompts: a generation prompt, not tokenized,
+  with a fixed date (`PROMPT_DATE`)."""
   return functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True,
-                           tokenize=False)
+                           tokenize=False, now=PROMPT_DATE)
 
 
 def longest_prompt(examples: Sequence[Example], tokenizer, template: PromptTemplate

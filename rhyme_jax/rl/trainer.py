@@ -84,8 +84,7 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"{c.model.param_dtype})",
       f"data: {len(inputs.train_examples)} train examples ({c.data.dataset or c.data.task}), "
       f"{len(inputs.eval_examples)} eval; {c.rl.prompts_per_step} prompts x {c.rl.group_size} "
-      f"samples per step; {math.ceil(len(inputs.train_examples) / c.rl.prompts_per_step)} "
-      "steps per epoch",
+      f"samples per step and process; {_steps_per_epoch(len(inputs.train_examples), c, inputs)}",
       f"reward: {inputs.reward_fn.name}; loss: {c.rl.loss}; advantage: {c.rl.advantage}",
       f"rollout engine: batch buckets {eng.buckets}, at most {eng.max_draft} draft nodes per "
       f"row, max length {eng.max_len}, prefill chunk {eng.prefill_chunk}, admission order "
@@ -101,6 +100,16 @@ def describe_plan(config: Config, inputs: Inputs) -> str:
       f"{c.run.num_steps} steps, checkpoint every {c.run.checkpoint_every}",
   ]
   return "\n".join(lines)
+
+
+def _steps_per_epoch(examples: int, c: Config, inputs: Inputs) -> str:
+  """Every process reads --prompts_per_step prompts a step; a launcher's count is unknown
+  until the processes meet."""
+  count = 1 if inputs.distributed is None else inputs.distributed.get("num_processes")
+  if count is None:
+    return (f"{math.ceil(examples / c.rl.prompts_per_step)} steps per epoch divided by the "
+            "number of processes")
+  return f"{math.ceil(examples / (c.rl.prompts_per_step * count))} steps per epoch"
 
 
 def check_plan_fits(config: Config, inputs: Inputs) -> None:

@@ -121,6 +121,23 @@ def test_template_raise_exception_and_sandbox(tmp_path, smollm2_hf_tokenizer):
     tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_training_prompts_do_not_read_the_clock(tmp_path, smollm2_hf_tokenizer):
+  """A template that prints today's date (Llama-3.x's system message) renders training prompts
+  with a fixed one: a prompt is a function of its example, on every host and day."""
+  import datetime
+
+  from rhyme_jax.rl.samples import PROMPT_DATE, chat_renderer
+  smollm2_hf_tokenizer.save_pretrained(tmp_path)
+  tok = Tokenizer.from_directory(tmp_path)
+  tok.chat_template = "Today Date: {{ strftime_now('%d %b %Y') }}\n{{ messages[0]['content'] }}"
+  msgs = [{"role": "user", "content": "q"}]
+  assert chat_renderer(tok)(msgs) == "Today Date: 26 Jul 2024\nq" == tok.apply_chat_template(
+      msgs, now=PROMPT_DATE)
+  today = datetime.datetime.now().strftime("%d %b %Y")  # transformers' default: the clock
+  assert tok.apply_chat_template(msgs) in (f"Today Date: {today}\nq",
+                                           f"Today Date: {datetime.datetime.now():%d %b %Y}\nq")
+
+
 def test_directory_without_tokenizer_json(tmp_path):
   with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
     Tokenizer.from_directory(tmp_path)
