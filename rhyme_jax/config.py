@@ -223,7 +223,9 @@ _FLAGS = {
          "why, once. 'pallas_interpret' runs the kernel interpreted (slow; CPU tests)."),
         ("schedule", "fifo", "Rollout admission order: 'fifo' (data order), 'history' (longest "
          "predicted first from the prompt's past response lengths: HistoPipe), 'alternate' "
-         "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation) "
+         "(long->short on even steps, short->long on odd: HistoPipe's cross-step alternation, "
+         "which interleaves tails only where a step's rollout overlaps the previous step's "
+         "training; this trainer runs them in turn, so it lengthens odd steps' tails) "
          "or 'probe' (Seer: each group's first sample first, then the group with the longest "
          "finished sibling; probes ordered by history where it exists) or 'residual' (longest "
          "remaining work first: the upper quartile of L - n given L > n over the prompt's "

@@ -152,11 +152,10 @@ class Rollouts:
     requests = self._requests(prompts, base, self.sampling, (step, round_idx), positions)
     admission = None
     if c.rollout.schedule != "fifo":
-      eng = self.engine.config  # its park rows: 0 unless dividing
+      # No kv_budget: the engine bounds the KV of yielded requests by its park pool (a full
+      # pool stops yields), and a budget of buckets + park rows could never bind there.
       admission = plan_step(requests, self.predictor, step=step,
-                            policy=SCHEDULES[c.rollout.schedule],
-                            kv_budget=(max(eng.buckets) + eng.park_rows if eng.park_rows
-                                       else None)).admission(0)
+                            policy=SCHEDULES[c.rollout.schedule]).admission(0)
     results = self.engine.generate(requests, admission=admission)
     for k in _ENGINE_COUNTERS:
       stats[k] = stats.get(k, 0) + getattr(self.engine.stats, k)

@@ -201,14 +201,19 @@ class ContextAwarePolicy:
     return {self._group[rid] for rid in (*finished, *live) if rid in self._group}
 
   def _pick(self, queue, finished, live, started) -> int:
-    """The index in `queue` admitted next given the `started` groups (no state changes)."""
-    probes = [i for i, m in enumerate(queue) if m.group_id not in started]
+    """The index in `queue` admitted next given the `started` groups (no state changes). A
+    request that has run (in `live`) is no probe, even one of a group this order has not seen
+    (yielded on another shard of the simulator and requeued here); its tokens so far bound
+    its group's estimate from below."""
+    probes = [i for i, m in enumerate(queue)
+              if m.group_id not in started and m.request_id not in live]
     if probes:
       return min(probes, key=lambda i: (-self._prior.get(queue[i].group_id, 0.0),
                                         queue[i].index))
     est = self.group_estimates(finished, live)
-    return min(range(len(queue)), key=lambda i: (-est.get(queue[i].group_id, 0.0),
-                                                 queue[i].index))
+    return min(range(len(queue)), key=lambda i: (
+        -max(est.get(queue[i].group_id, 0.0), live.get(queue[i].request_id, 0)),
+        queue[i].index))
 
 
 class ResidualPolicy:
@@ -349,8 +354,11 @@ class ResidualPolicy:
     queue, between two decode steps. A queued request's work does not change while it waits,
     so its key is kept per request id (`_keys`: the meta it was made for, its tokens so far,
     the key) and a pass is a dict lookup per queued request."""
-    started_only = (self.kv_budget is not None and len(live) >= self.kv_budget and
-                    any(m.request_id in live for m in queue))  # at the cap only started resume
+    # At the cap (this order's own started and unfinished requests: the simulator's shards
+    # share one `live`) only started requests resume.
+    started_only = (self.kv_budget is not None and
+                    sum(rid in self._ids for rid in live) >= self.kv_budget and
+                    any(m.request_id in live for m in queue))
     keys, get, out = self._keys, live.get, []
     for i, m in enumerate(queue):
       rid = m.request_id

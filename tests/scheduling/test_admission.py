@@ -143,3 +143,32 @@ def test_probe_first_yield_rule_asks_without_admitting():
   queue = [metas[i] for i in (1, 3, 4, 5, 6, 7)]
   rule = yield_rule(policy, queue, finished, live, 16, free=2)
   assert not rule(metas[0]) and not rule(metas[2])
+
+
+def test_a_started_request_from_another_shard_is_no_probe():
+  """In the simulator a yielded request may be requeued on another shard, whose order never
+  saw its group: it has run, so it is no probe, and its tokens so far bound its estimate."""
+  a = [RequestMeta(i, "A", "A", i, 512) for i in range(2)]
+  b = [RequestMeta(10 + i, "B", "B", 10 + i, 512) for i in range(2)]
+  def pick(ran):  # A0 runs here at 50 tokens; B1 ran `ran` elsewhere and was requeued
+    pol = ContextAwarePolicy()
+    pol.order(a)
+    return pol.next_to_admit([a[1], b[1]], {}, {0: 50, 11: ran})
+
+  assert pick(70) == 1  # its 70 beats A's 50
+  assert pick(20) == 0  # not a probe: A's 50 beats its 20
+
+
+def test_the_kv_budget_counts_the_orders_own_requests():
+  """The simulator's shards share one `live` map: a shard's cap counts its own requests."""
+  table = LengthTable()
+  for i, n in enumerate([10, 10, 90]):
+    table.add(f"p{i}", 0, [n] * 4)
+  mine = [RequestMeta(i, i, f"p{i}", i, 100) for i in range(3)]
+  pol = make_policy("history_residual", predictor=LengthPredictor(table), kv_budget=2)
+  pol.order(mine)
+  others = {100 + i: 5 for i in range(10)}  # another shard's started requests
+  # One of its own started (request 1, yielded): below its cap, the longer unstarted p2 goes.
+  assert pol.next_to_admit(mine[1:], {}, {1: 5, **others}) == 1
+  # Two of its own: at the cap only a started request resumes.
+  assert pol.next_to_admit(mine[1:], {}, {0: 5, 1: 5, **others}) == 0

@@ -43,6 +43,7 @@ def test_a_request_that_ran_long_is_predicted_long():
   assert pol.next_to_admit([a, b], {}, {1: 20}) == 0  # b ran 20: 20 left loses to 32.5
   # At its cap of started requests only a started one resumes.
   capped = ResidualPolicy(pred, kv_budget=1, quantile=None)
+  capped.order([a, b])  # the requests it orders: the started ones it counts against the cap
   assert capped.next_to_admit([a, b], {}, {1: 20}) == 1
   assert capped.next_to_admit([a, b], {}, {}) == 1
   with pytest.raises(ValueError, match="kv_budget"):
