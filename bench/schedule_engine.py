@@ -344,7 +344,7 @@ def main(argv=None):
                  f"{r['pass_ms']['plain']:.2f}", f"{r['pass_ms']['yields']:.2f}", r["waits"],
                  *(f"{r['excess'][k]:.2f}" for k in ("plain", "prefill", "yields")),
                  f"{r['crc']:08x}"])
-  same = len({best[x]["crc"] for x in args.policies}) == 1
+  same = len({row["crc"] for rep in reps for row in rep.values()}) == 1  # every run
   table_md = common.markdown_table(
       ["policy", "makespan s", "tail s", "slot util", "decode steps", "launches", "long-kv steps",
        "modelled decode s",
@@ -358,7 +358,7 @@ def main(argv=None):
       [[name, f"{best[name]['host_ms']:.2f}",
         *(f"{best[name]['parts'][k]:.2f}" for k in HOST_PARTS)] for name in args.policies])
   print(table_md)
-  print(f"sampled tokens identical across policies: {'yes' if same else 'NO'}")
+  print(f"sampled tokens identical across policies and runs: {'yes' if same else 'NO'}")
   per_repeat = describe_repeats(by_repeat(reps, args.policies))
   for line in per_repeat:
     print(line)
@@ -370,7 +370,10 @@ def main(argv=None):
            + (f"; drain_steps {args.drain_steps!r} once no request waits"
               * (args.drain_steps != "multi"))
            + f"), seed {args.seed}; epoch 0 (fifo) is the history, epoch 1 is "
-           f"timed per policy with {args.repeats} run(s) each (fastest kept)",
+           f"timed per policy with {args.repeats} run(s) each (fastest kept)"
+           + ("; the table's ratio columns divide each policy's fastest run by FIFO's or the "
+              "oracle's fastest, which may come from another repeat: the by-repeat lines below "
+              "compare runs of one repeat" if args.repeats > 1 else ""),
            f"residual+divided: a request is offered to yield every {args.divide_every} tokens, "
            f"{park} park rows; the others run undivided",
            "makespan = rollout start to last response; tail = time to finish the last 10%; "
@@ -411,7 +414,7 @@ def main(argv=None):
            f"long-kv steps = decode steps whose attention read the full cache ({long_kv} "
            f"positions; the XLA path's other bucket is {min(cfg.kv_lengths())}): one row past the "
            "shorter bucket puts the whole step there",
-           f"sampled tokens identical across policies: {'yes' if same else 'NO'}",
+           f"sampled tokens identical across policies and runs: {'yes' if same else 'NO'}",
            *[f"{name}: yield cost {c:.3f} decode steps (the engine's warm-up: a pass of one "
              f"yield / a plain {max(cfg.buckets)}-row step), yield margin {m:.1f} tokens at the "
              "opening (it shrinks with the work left)"
