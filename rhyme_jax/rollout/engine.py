@@ -147,6 +147,7 @@ class RolloutEngine:
     Steps compile for one `filters`: True serves rollouts with a top-p / top-k request
     (`SamplingParams.filters`), False the others; `generate` warns of a rollout that needs a
     value no warm-up compiled (call this once per value used, as the trainer does)."""
+    self.stats = EngineStats()  # the warm-up's own prefills count toward no rollout
     warmup.warm_up(self, filters)
     self.warmed.add(bool(filters))
 

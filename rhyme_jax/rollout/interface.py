@@ -250,7 +250,7 @@ class EngineConfig:
   def kv_lengths(self) -> tuple[int, ...]:
     """Cache-length buckets the XLA path slices attention to: S, S/2, ... each rounded up."""
     s = self.cache_len
-    return tuple(sorted({min(s, round_kv(s >> i)) for i in range(self.kv_buckets)}))
+    return tuple(sorted({min(s, round_kv(s >> i)) for i in range(self.kv_buckets)} - {0}))
 
   def spec_shapes(self, bucket: int) -> tuple[tuple[int, int], ...]:
     """(P, T) of the speculative steps of a bucket: packed size, tokens per row."""

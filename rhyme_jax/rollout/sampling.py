@@ -9,6 +9,7 @@ speculation invisible: the same logits give the same token.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import jax
@@ -34,9 +35,10 @@ class SamplingParams:
                        "(0 = greedy)")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-    if int(self.top_k) != self.top_k or not 0 <= self.top_k < 2**31:
+    if not isinstance(self.top_k, numbers.Integral) or not 0 <= self.top_k < 2**31:
       raise ValueError(f"top_k={self.top_k}: must be an integer in [0, 2**31) (0 = off)")
-    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens <= 0:
+    # Integral, not "equal to an int": a float cap (5.0) reached the drafter's budgets.
+    if not isinstance(self.max_new_tokens, numbers.Integral) or self.max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be an integer > 0")
     for s in self.stop_sequences:
       if len(s) == 0:

@@ -163,10 +163,13 @@ def test_bad_requests_fail_alone(tiny_model):
       Request(8, [1, 2], SamplingParams(top_k=2**40)),
   ]
   reqs.append(reqs[8])  # the same request object twice: its second copy is the duplicate
-  res = engine(tiny_model, None, budget=0).generate(reqs)
+  # a float cap equal to an integer: it reached a drafter's budget as 2.0 and crashed the step
+  reqs.append(Request(12, [1, 2], SamplingParams(max_new_tokens=5.0)))
+  res = engine(tiny_model, RandomDrafter(64, seed=0)).generate(reqs)
   assert len(res) == len(reqs)
   errors = {i: r.error for i, r in enumerate(res) if r.finish_reason == "error"}
-  assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 9, 10, 11}
+  assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12}
+  assert "max_new_tokens=5.0: must be an integer" in errors[12]
   assert "int32" in errors[9] and "top_k" in errors[10]
   assert "duplicate" in errors[11] and res[11].request_id == 7
   assert "empty prompt" in errors[1]
@@ -179,7 +182,7 @@ def test_bad_requests_fail_alone(tiny_model):
   for i in (0, 8):
     assert res[i].finish_reason in ("length", "eos") and len(res[i].tokens) > 0
   # The good requests produce what they produce alone.
-  alone = engine(tiny_model, None, budget=0).generate([reqs[0]])[0]
+  alone = engine(tiny_model, RandomDrafter(64, seed=0)).generate([reqs[0]])[0]
   np.testing.assert_array_equal(alone.tokens, res[0].tokens)
 
 

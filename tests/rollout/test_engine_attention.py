@@ -161,6 +161,12 @@ def test_unsupported_shape_falls_back_with_the_reason(tiny_model, caplog):
   np.testing.assert_array_equal(out, run("xla")(*args))
 
 
+def test_more_cache_buckets_than_halvings_add_no_empty_length():
+  """S >> i reaches 0 past log2(S) halvings: a zero-length bucket would be compiled and timed
+  at warm-up for nothing (no row fits it)."""
+  assert 0 not in EngineConfig(max_len=64, kv_buckets=8).kv_lengths()
+
+
 @pytest.mark.parametrize("max_len", [2, 32, 64, 96, 352, 1000, 4096, 16384])
 @pytest.mark.parametrize("max_draft", [0, 4, 16])
 def test_cache_lengths_are_kernel_shapes(max_len, max_draft):
