@@ -16,9 +16,8 @@ as siblings finish (probe-first) or as yielded requests rejoin the queue in divi
 (history_residual, `ResidualPolicy`; rollout/divided.py and the simulator ask its
 `yield_rule`). A policy assumes the request it returns is admitted.
 
-HistoPipe's cross-step alternation: `predicted_policy(predictor, step=k, alternate=True)` orders
-long->short on even steps and short->long on odd ones, so that when rollout and training
-overlap a worker slowed by long work at the end of one step starts the next with short work.
+HistoPipe's cross-step alternation (`predicted_policy(..., alternate=True)`): long->short on even
+steps, short->long on odd, so where rollout and training overlap, tails interleave.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ def longest_first(lengths: Sequence[float], index: Sequence[int], reverse: bool 
                   ) -> list[int]:
   """Positions sorted by length, longest first (shortest first if `reverse`); ties in data
   order. A pure function: the same inputs give the same order on every host."""
-  lengths = np.asarray(lengths, np.float64)
-  sign = 1.0 if reverse else -1.0
+  lengths, sign = np.asarray(lengths, np.float64), 1.0 if reverse else -1.0
   return sorted(range(len(lengths)), key=lambda i: (sign * lengths[i], index[i]))
 
 
@@ -94,9 +92,8 @@ class StaticPolicy:
     self.name, self._score = name, score
 
   def order(self, queue: Sequence[RequestMeta]) -> list[RequestMeta]:
-    scores = [self._score(m) for m in queue]
-    perm = longest_first(scores, [m.index for m in queue])
-    return [queue[i] for i in perm]
+    return [queue[i] for i in longest_first([self._score(m) for m in queue],
+                                            [m.index for m in queue])]
 
   def next_to_admit(self, queue, finished, live) -> int:
     del finished, live
@@ -202,18 +199,16 @@ class ContextAwarePolicy:
 
   def _pick(self, queue, finished, live, started) -> int:
     """The index in `queue` admitted next given the `started` groups (no state changes). A
-    request that has run (in `live`) is no probe, even one of a group this order has not seen
-    (yielded on another shard of the simulator and requeued here); its tokens so far bound
-    its group's estimate from below."""
+    request that has run (in `live`; in the simulator perhaps on another shard) is no probe,
+    and its tokens so far bound its group's estimate."""
     probes = [i for i, m in enumerate(queue)
               if m.group_id not in started and m.request_id not in live]
     if probes:
       return min(probes, key=lambda i: (-self._prior.get(queue[i].group_id, 0.0),
                                         queue[i].index))
     est = self.group_estimates(finished, live)
-    return min(range(len(queue)), key=lambda i: (
-        -max(est.get(queue[i].group_id, 0.0), live.get(queue[i].request_id, 0)),
-        queue[i].index))
+    work = lambda m: max(est.get(m.group_id, 0.0), live.get(m.request_id, 0))
+    return min(range(len(queue)), key=lambda i: (-work(queue[i]), queue[i].index))
 
 
 class ResidualPolicy:
@@ -234,18 +229,16 @@ class ResidualPolicy:
   of the oracle's against the mean's 0.975: bench/RESULTS.md, 2026-11-27). None: the mean,
   which at n = 0 is the prompt's mean history length (without divided rollout, as "history").
 
-  Ranking unstarted requests (a fresh E[L] each) against yielded ones starts nearly all of
-  them early, so their KV is kept for more sequences than rows. `kv_budget` caps the started
-  and unfinished requests (the KV pool's capacity): at the cap only started requests resume.
+  Ranking fresh requests against yielded ones starts nearly all early, their KV kept for more
+  sequences than rows: `kv_budget` caps the started and unfinished ones (the simulator's KV
+  pool; the engine stops yields at a full park pool instead), past it only started ones resume.
 
-  A yield is not free: two KV row copies and their dispatch, `yield_cost` decode steps of the
-  batch (measured at the engine's warm-up: `set_yield_cost`); pure LRPT swaps requests of
-  near-equal work every chunk, which on a GPU cost more than the tail it cut. So a running
-  request yields only to a margin m more remaining work: the W tokens of expected work left
-  make about W / (m + chunk) yields of Y steps each, while the margin lets the makespan slip by
-  about m steps; the sum is least at m + chunk = sqrt(Y W) (`yield_margin`). W is the opening
-  work less the tokens generated since, so the margin shrinks to plain LRPT over the last
-  chunks, where the tail is decided.
+  A yield costs two KV row copies and their dispatch, `yield_cost` decode steps of the batch
+  (timed at warm-up: `set_yield_cost`); pure LRPT swaps near-equal requests every chunk, on a
+  GPU for more than the tail it cut. So a request yields only to m more remaining work: the W
+  tokens of work left make about W / (m + chunk) yields of Y steps each, the margin lets the
+  makespan slip about m steps, least at m + chunk = sqrt(Y W) (`yield_margin`). W shrinks as
+  tokens are generated, so the margin falls to plain LRPT over the last chunks.
 
   Reads a yielded request's tokens so far from `live` (len(live) = requests started and
   unfinished); ties go to data order, identical on every host.
@@ -354,11 +347,10 @@ class ResidualPolicy:
     queue, between two decode steps. A queued request's work does not change while it waits,
     so its key is kept per request id (`_keys`: the meta it was made for, its tokens so far,
     the key) and a pass is a dict lookup per queued request."""
-    # At the cap (this order's own started and unfinished requests: the simulator's shards
-    # share one `live`) only started requests resume.
-    started_only = (self.kv_budget is not None and
-                    sum(rid in self._ids for rid in live) >= self.kv_budget and
-                    any(m.request_id in live for m in queue))
+    # At the cap of its own started requests (the simulator's shards share one `live`) only
+    # started requests resume.
+    started_only = (self.kv_budget is not None and any(m.request_id in live for m in queue)
+                    and sum(rid in self._ids for rid in live) >= self.kv_budget)
     keys, get, out = self._keys, live.get, []
     for i, m in enumerate(queue):
       rid = m.request_id
