@@ -259,6 +259,7 @@ def test_balance_hosts_refuses_to_resume_hosts_left_at_different_rounds(eos_mode
   assert before == {f: (run_dir / f).read_bytes() for f in before}
 
 
+@pytest.mark.slow  # two 3-step two-process runs: 190-230 s of the default suite's ~15 minutes
 def test_balanced_hosts_sample_and_train_as_the_unbalanced_run(eos_model, compile_cache,
                                                                tmp_path):
   """--balance_hosts: each host reads the whole round and samples the prompts the LPT plan over
