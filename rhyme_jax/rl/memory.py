@@ -179,14 +179,15 @@ def check_fits(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimat
   only so (`fit_verdict`: "may not fit")."""
   est = estimate(config, model_config, mesh)
   limit = device_memory_bytes(config)
-  if limit is None or est.total <= limit:
+  verdict = None if limit is None else fit_verdict(est, limit)
+  if verdict in (None, "fits"):
     return est
   source = ("--device_memory_gib" if config.run.device_memory_gib > 0
             else f"{jax.local_devices()[0].device_kind} memory")
   what = (f"{source} ({limit / GIB:.2f} GiB per device): {est.describe()}; shard more "
           "(--mesh_fsdp / --mesh_tensor), or lower --micro_batch_size, --group_size x "
           "--prompts_per_step or --max_new_tokens")
-  if est.least > limit:
+  if verdict == "DOES NOT FIT":
     raise ConfigError(f"the run does not fit in {what}")
   absl_logging.warning("the run may not fit in %s (it fits if XLA splits the activations "
                        "over the batch axes)", what)
