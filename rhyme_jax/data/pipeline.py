@@ -13,6 +13,10 @@ positions [k * GB + p * batch_size, ... + batch_size). So:
 
 With num_epochs set, the stream ends after the last complete global batch (at most GB - 1
 examples of the last epoch are dropped, keeping batch shapes fixed); by default it is endless.
+
+grain permutes epoch e with seed s + e, so s is the run's seed hashed (`shuffle_seed`): with
+s = seed, seed 1's epoch 0 would be seed 0's epoch 1, and runs at neighbouring seeds (the usual
+way to repeat an RL experiment) would see the same prompt orders one epoch apart.
 """
 
 from __future__ import annotations
@@ -22,9 +26,19 @@ import sys
 from typing import Iterator, Sequence
 
 import grain
+import numpy as np
 
 from rhyme_jax.data.datasets import Example
 from rhyme_jax.data.prompts import PromptTemplate, RenderFn, render_prompt
+
+
+def shuffle_seed(seed: int) -> int:
+  """The 32-bit seed grain shuffles the stream with, hashed from the run's `seed` (>= 0):
+  grain's epoch e uses (this + e) mod 2**32, so two runs' epoch orders coincide only where
+  their hashed seeds lie within an epoch count of each other (about 2 x epochs / 2**32)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"PromptPipeline: seed must be an integer >= 0, got {seed!r}")
+  return int(np.random.SeedSequence([int(seed), 0x70726F6D]).generate_state(1)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +89,8 @@ class PromptPipeline:
     self.template = template
     self.prefetch = prefetch
 
-    stream = grain.MapDataset.source(self.examples).shuffle(seed=seed).repeat(num_epochs)
+    stream = (grain.MapDataset.source(self.examples).shuffle(seed=shuffle_seed(seed))
+              .repeat(num_epochs))
     self._stream = stream
     steps = len(stream) // self.global_batch_size if num_epochs else sys.maxsize
     self.num_steps = steps if num_epochs else None

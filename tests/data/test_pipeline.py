@@ -39,6 +39,23 @@ def test_seed_determines_order():
   assert a != _uids(itertools.islice(iter(_make(seed=8)), 10))
 
 
+def test_neighbouring_seeds_do_not_share_epoch_orders():
+  # grain permutes epoch e with seed s + e: unhashed, seed 8's epoch 0 was seed 7's epoch 1.
+  def epochs(seed):
+    stream = [u for b in itertools.islice(iter(_make(seed=seed)), 23) for u in b.uids]
+    return [tuple(stream[i * 23:(i + 1) * 23]) for i in range(4)]
+  orders = [order for seed in range(5) for order in epochs(seed)]
+  assert len(set(orders)) == len(orders) == 20
+
+
+def test_shuffle_seed_refuses_what_grain_cannot_take():
+  assert pipeline.shuffle_seed(0) != pipeline.shuffle_seed(1)
+  assert 0 <= pipeline.shuffle_seed(2**32 - 1) < 2**32
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="seed"):
+      pipeline.shuffle_seed(bad)
+
+
 @pytest.mark.parametrize("n_before", [3, 5, 6, 11])  # 5 and 11 cross epoch boundaries.
 def test_resume_continues_exactly(n_before):
   total = 16
