@@ -122,3 +122,55 @@ def test_pack_kills_nodes_that_break_the_tree_contract():
     path = reference_walk(sampled[s:s + 1 + len(toks)], ok,
                           packed.parent_P[s + 1:s + 1 + len(toks)] - s - 1)
     assert len(path) == int(acc.num_accepted_B[r]) + 1
+
+
+def reference_layout(trees, live, p):
+  """The packed layout node by node, as `pack` defines it: (tokens, parent, depth, ancestor
+  bits) per packed position, a node with a bad parent (or none given) dead below the root, a
+  sibling repeating an earlier live sibling's token dead."""
+  tokens, parent, depth, bits = [0] * p, list(range(p)), [0] * p, [0] * p
+  at = 0
+  for tree, is_live in zip(trees, live):
+    if not is_live:
+      continue
+    toks, pars = ([], []) if tree is None else tree
+    s, bits[at] = at, 1
+    seen = set()
+    for j, tok in enumerate(toks):
+      par = int(pars[j]) + 1 if j < len(pars) else -1
+      dead = not 0 <= par <= j
+      par = 0 if dead else par
+      dead = dead or (s + par, int(tok)) in seen
+      if not dead:
+        seen.add((s + par, int(tok)))
+      i = s + 1 + j
+      tokens[i], parent[i] = (accept.NEVER if dead else int(tok)), s + par
+      depth[i], bits[i] = depth[s + par] + 1, bits[s + par] | 1 << (j + 1)
+    at = s + 1 + len(toks)
+  return tokens, parent, depth, bits
+
+
+def test_pack_matches_a_node_by_node_layout_on_random_and_malformed_trees():
+  """`pack` lays every row's nodes out at once (pointer jumping for depths and ancestor bits);
+  it must give what a walk over each node gives, for drafts that break the tree contract too:
+  parents out of range, parent lists longer or shorter than the tokens, repeated siblings."""
+  rng = np.random.default_rng(0)
+  for _ in range(300):
+    b = int(rng.integers(1, 12))
+    trees, live = [], [bool(rng.random() < 0.85) for _ in range(b)]
+    for _ in range(b):
+      n = int(rng.integers(0, accept.MAX_ROW_TOKENS))
+      pars = [int(rng.integers(-1, j)) if j else -1 for j in range(n)]
+      if n and rng.random() < 0.3:
+        pars[int(rng.integers(n))] = int(rng.integers(-4, n + 4))
+      if rng.random() < 0.1:
+        pars = pars[:int(rng.integers(0, n + 1))] + [0] * int(rng.integers(0, 3))
+      toks = rng.integers(0, 3 if rng.random() < 0.5 else 1000, n).astype(np.int32)
+      trees.append(None if rng.random() < 0.2 else (toks, np.asarray(pars, np.int32)))
+    need = sum(1 + (0 if t is None else len(t[0])) for t, ok in zip(trees, live) if ok)
+    packed = accept.pack(trees, live, need + 3)
+    tokens, parent, depth, bits = reference_layout(trees, live, need + 3)
+    np.testing.assert_array_equal(packed.tokens_P, tokens)
+    np.testing.assert_array_equal(packed.parent_P, parent)
+    np.testing.assert_array_equal(packed.depth_P, depth)
+    np.testing.assert_array_equal(packed.mask_PxW[:, 0], np.asarray(bits, np.uint32))
