@@ -191,6 +191,33 @@ def test_sigkill_and_resume_matches_uninterrupted(tiny_model, tmp_path):
   assert without_timing(got) == without_timing(want)
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_the_prompt_stream_where_its_rounds_stopped(tiny_model,
+                                                                             tmp_path):
+  """With --dynamic_sampling a step reads as many rounds of prompts as it needs to keep
+  prompts_per_step informative groups, so the data iterator's place after a step depends on
+  the rewards. A run stopped after 2 steps and resumed to 4 reads the stream where the second
+  step's refills left it: the same batches, tokens and metrics as 4 steps uninterrupted."""
+  flags = ["--dynamic_sampling", "--dynamic_sampling_max_rounds=3", "--group_size=2",
+           "--checkpoint_every=1"]  # G = 2: half the groups all-equal, refills are common
+  ref = run_entry(tiny_flags(tiny_model, tmp_path / "ref", "--num_steps=4", *flags),
+                  timeout=600)
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  want = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+  assert any(r["rollout/rounds"] > 1 for r in want[:2]), "no refill before the stop: no test"
+
+  run_dir = tmp_path / "split"
+  first = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=2", *flags), timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  resumed = run_entry(tiny_flags(tiny_model, run_dir, "--num_steps=4", *flags), timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from" in resumed.stderr
+  got = read_metrics(run_dir / "metrics.jsonl")
+  assert [r["step"] for r in got] == [1, 2, 3, 4]
+  assert [r["data/batch_hash"] for r in got] == [r["data/batch_hash"] for r in want]
+  assert without_timing(got) == without_timing(want)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tiny_model, tmp_path_factory):
   """An uninterrupted 4-step run: what every interrupted-and-resumed run must reproduce."""
