@@ -295,7 +295,8 @@ _FLAGS = {
          "batch); must divide group_size * prompts_per_step."),
         ("remat", False, "Recompute each layer's activations in the backward pass instead of "
          "keeping them (gradient checkpointing): a micro-batch keeps one input per layer and "
-         "one layer's working set at a time, for about a third more training compute. The "
+         "one layer's working set at a time, and the loss head's float32 logits for "
+         "128 positions at a time, for about a third more training compute. The "
          "same values to float rounding; the --dry_run memory estimate counts it."),
         ("dynamic_sampling", False, "Drop groups whose rewards are all equal and refill from "
          "the next prompts (DAPO)."),

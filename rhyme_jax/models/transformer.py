@@ -153,6 +153,17 @@ class Transformer(nnx.Module):
     per layer and one layer's working set at a time, for about a third more compute. The
     same values to float rounding.
     """
+    hidden, cache = self.trunk(tokens_BxT, positions_BxT, cache=cache, cache_len_B=cache_len_B,
+                               mask_BxTxT=mask_BxTxT, remat=remat)
+    return Output(self.logits(hidden), cache)
+
+  def trunk(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, *,
+            cache: KVCache | None = None, cache_len_B: jax.Array | None = None,
+            mask_BxTxT: jax.Array | None = None, remat: bool = False
+            ) -> tuple[jax.Array, KVCache | None]:
+    """`__call__` up to the head: the final-normed hidden states hidden_BxTxD (the model's
+    dtype) and the cache. The learner applies the head (`logits`) a chunk of positions at a
+    time under --remat (rl/learner.py), so the B x T x V logits are never live at once."""
     b, t = tokens_BxT.shape
     if mask_BxTxT is None:
       mask_BxTxT = jnp.broadcast_to(attention.causal_mask(t), (b, t, t))
@@ -161,15 +172,15 @@ class Transformer(nnx.Module):
     if remat and cache is not None:
       raise ValueError("remat is for training: it takes no cache")
     x = self.embed(tokens_BxT)
-    for i, layer in enumerate(self.layers):
-      if remat:
-        x = _remat_block(layer, x, positions_BxT, mask_BxTxT)
-      else:
+    if remat:
+      x = _remat_layers(self.layers, x, positions_BxT, mask_BxTxT)
+    else:
+      for i, layer in enumerate(self.layers):
         x, cache = layer(x, positions_BxT, mask_BxTxT, cache, i, cache_len_B)
-    hidden = self.final_norm(x)
-    return Output(self._logits(hidden), cache)
+    return self.final_norm(x), cache
 
-  def _logits(self, hidden):
+  def logits(self, hidden):
+    """float32 logits of final-normed hidden states ([..., D] -> [..., V])."""
     if self.cfg.tie_word_embeddings:
       return self.embed.attend(hidden).astype(jnp.float32)
     return self.lm_head(hidden).astype(jnp.float32)
@@ -181,20 +192,28 @@ class Transformer(nnx.Module):
     x = self.embed(tokens_P)
     for i, layer in enumerate(self.layers):
       x, cache = layer.packed(x, positions_P, cache, i, pk)
-    return self._logits(self.final_norm(x)), cache
+    return self.logits(self.final_norm(x)), cache
 
 
-def _remat_block(layer: Block, x, positions_BxT, mask_BxTxT):
-  """A training block (no cache) whose activations the backward pass recomputes: the block
-  as a pure function of its state under `jax.checkpoint` (nnx.remat writes the state back,
-  which the learner's scanned, differentiated micro-batches cannot take)."""
-  graphdef, state = nnx.split(layer)
+def _remat_layers(layers, x, positions_BxT, mask_BxTxT):
+  """Training blocks (no cache) whose activations the backward pass recomputes, one layer at
+  a time: a `lax.scan` over the layers' stacked states whose body is the block as a pure
+  function of its state under `jax.checkpoint` (nnx.remat writes the state back, which the
+  learner's scanned, differentiated micro-batches cannot take). The scan is what keeps one
+  layer's working set live: checkpointed blocks in a Python loop left XLA free to schedule
+  every layer's recomputation at once, and on CPU it did (the compiled gradient held every
+  layer's working set, with remat or without). The stacked states are one more copy of the
+  layers' parameters (and of their gradient) while the step runs."""
+  graphdef, _ = nnx.split(layers[0])
+  states = [nnx.split(layer)[1] for layer in layers]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
   @jax.checkpoint
   def block(state, x):
     return nnx.merge(graphdef, state)(x, positions_BxT, mask_BxTxT, None, 0, None)[0]
 
-  return block(state, x)
+  x, _ = jax.lax.scan(lambda x, state: (block(state, x), None), x, stacked)
+  return x
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

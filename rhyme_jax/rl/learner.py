@@ -66,14 +66,53 @@ def loss_config(config: Config) -> losses.PolicyLossConfig:
       kl_beta=rl.kl_beta, kl_estimator=rl.kl_estimator, tis_cap=rl.tis_cap or None)
 
 
-def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, remat=False):
+# --remat: positions per chunk of the loss head (rl/memory.py counts its working set)
+HEAD_CHUNK = 128
+
+
+def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, remat=False,
+                      head_chunk=HEAD_CHUNK):
+  """(log-probs of the targets, entropies), float32 [B, T]. With `remat` the layers are
+  recomputed in the backward pass and so is the head, `head_chunk` positions at a time
+  (`_chunked_head`): the float32 B x T x V logits, their log-softmax and its gradient, which
+  otherwise outweigh everything a rematerialised gradient keeps, never live at once."""
   model = nnx.merge(graphdef, params)
   positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-  logits_BxTxV = model(tokens_BxT, positions_BxT, remat=remat).logits_BxTxV
   # The entropy keeps its gradient: a loss with an entropy bonus (entropy_coef > 0) needs it,
   # and one without only reports it (metrics carry no gradient).
+  if remat:
+    hidden_BxTxD, _ = model.trunk(tokens_BxT, positions_BxT, remat=True)
+    return _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, head_chunk)
+  logits_BxTxV = model(tokens_BxT, positions_BxT).logits_BxTxV
   return (losses.token_logprobs(logits_BxTxV, targets_BxT, temperature),
           losses.entropy(logits_BxTxV, temperature))
+
+
+def _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, chunk):
+  """The head's log-probs and entropies over T in chunks of `chunk` positions (at most T; T
+  padded to a multiple, the padding's values dropped): a scan whose body is a `jax.checkpoint`ed
+  pure function of the model's state, so the backward pass recomputes one chunk's logits at a
+  time and keeps only each chunk's B x chunk x D input."""
+  b, t, d = hidden_BxTxD.shape
+  chunk = min(chunk, t)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  hidden_NxBxCxD = jnp.moveaxis(hidden_BxTxD.reshape(b, n, chunk, d), 1, 0)
+  targets_NxBxC = jnp.moveaxis(targets_BxT.reshape(b, n, chunk), 1, 0)
+  graphdef, state = nnx.split(model)
+
+  @jax.checkpoint
+  def head(state, hidden_BxCxD, targets_BxC):
+    logits_BxCxV = nnx.merge(graphdef, state).logits(hidden_BxCxD)
+    return (losses.token_logprobs(logits_BxCxV, targets_BxC, temperature),
+            losses.entropy(logits_BxCxV, temperature))
+
+  _, (logp_NxBxC, ent_NxBxC) = jax.lax.scan(
+      lambda carry, xs: (carry, head(state, *xs)), None, (hidden_NxBxCxD, targets_NxBxC))
+  unchunk = lambda x_NxBxC: jnp.moveaxis(x_NxBxC, 0, 1).reshape(b, n * chunk)[:, :t]
+  return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
 
 
 def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):

@@ -29,7 +29,7 @@ from rhyme_jax.config import Config, ConfigError
 from rhyme_jax.models import sharding
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.transformer import Transformer
-from rhyme_jax.rl.learner import make_optimizer, optimizer_shardings
+from rhyme_jax.rl.learner import HEAD_CHUNK, make_optimizer, optimizer_shardings
 from rhyme_jax.rl.rollouts import engine_config
 from rhyme_jax.rl.samples import length_buckets
 
@@ -116,7 +116,9 @@ def activation_bytes(model_config: ModelConfig, rows: int, seq: int, itemsize: i
   tokens). At the head, the float32 logits, their log-softmax and its gradient (3 V per
   token). XLA reuses buffers, so this is a model of the peak, not an exact count. `rows` are
   the rows one device holds (see MemoryEstimate.activations_sharded). With `remat` (--remat)
-  a layer keeps only its input (D per token) and one layer's working set is live at a time.
+  a layer keeps only its input (D per token) and one layer's working set is live at a time,
+  and the head runs HEAD_CHUNK positions at a time (learner._chunked_head): its 3 V per token
+  for one chunk of every row, plus the final hidden states (D per token).
   """
   m = model_config
   per_token = (3 * m.hidden_size + 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
@@ -125,7 +127,11 @@ def activation_bytes(model_config: ModelConfig, rows: int, seq: int, itemsize: i
   layer = rows * seq * per_token + rows * per_row
   layers = (m.num_layers * rows * seq * m.hidden_size * itemsize + layer if remat
             else m.num_layers * layer)
-  head = rows * seq * 3 * m.vocab_size * 4
+  if remat:
+    head = (rows * min(seq, HEAD_CHUNK) * 3 * m.vocab_size * 4
+            + rows * seq * m.hidden_size * itemsize)
+  else:
+    head = rows * seq * 3 * m.vocab_size * 4
   return layers + head
 
 
@@ -150,7 +156,11 @@ def estimate(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimate:
   rows = c.rl.micro_batch_size or c.rl.samples_per_step  # this process's
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   seq = length_buckets(c.rollout.max_prompt_len + c.rollout.max_new_tokens)[-1]
-  act = lambda n: activation_bytes(m, n, seq, jnp.dtype(m.jnp_dtype).itemsize, c.rl.remat)
+  # --remat scans the layers over a stacked copy of their parameters (transformer.
+  # _remat_layers): one more copy of them, as XLA's count at 64 and 256 tokens shows
+  stack = _device_bytes(params["layers"], param_sh["layers"]) if c.rl.remat else 0
+  act = lambda n: (activation_bytes(m, n, seq, jnp.dtype(m.jnp_dtype).itemsize, c.rl.remat)
+                   + stack)
   return MemoryEstimate(
       params=p_bytes, opt_state=o_bytes, ref_params=p_bytes if c.rl.kl_beta > 0 else 0,
       grads=3 * p_bytes, activations=act(rows),

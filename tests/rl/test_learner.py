@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -120,3 +122,54 @@ def test_second_epoch_sees_kl_to_the_reference():
   # The first epoch starts at the reference (KL exactly 0); the reported last epoch does not.
   assert m["kl"] > 1e-8
   assert learner.ref_params is not None
+
+
+def _head_inputs(b=3, t=10, cfg=CFG):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  graphdef, params = nnx.split(init_model(cfg, 1))
+  rng = np.random.default_rng(2)
+  tokens = jax.numpy.asarray(rng.integers(0, 64, (b, t)), jax.numpy.int32)
+  targets = jax.numpy.asarray(rng.integers(0, 64, (b, t)), jax.numpy.int32)
+  return graphdef, params, tokens, targets
+
+
+@pytest.mark.parametrize("chunk", [3, 10, 16])  # padded, exact, one chunk longer than T
+def test_chunked_head_gives_the_whole_heads_values_and_gradients(chunk):
+  """--remat applies the head a chunk of positions at a time (learner._chunked_head): the
+  log-probs, entropies and their gradients are the whole head's to float rounding."""
+  from rhyme_jax.rl import learner  # pylint: disable=import-outside-toplevel
+  graphdef, params, tokens, targets = _head_inputs()
+  w = jax.numpy.linspace(0.5, 1.5, 30).reshape(3, 10)
+
+  def objective(p, remat):
+    logp, ent = learner._forward_logprobs(graphdef, p, tokens, targets, 0.7, remat, chunk)
+    return jax.numpy.sum(w * logp) + 0.3 * jax.numpy.sum(w * ent), (logp, ent)
+
+  (v0, (lp0, e0)), g0 = jax.value_and_grad(objective, has_aux=True)(params, False)
+  (v1, (lp1, e1)), g1 = jax.value_and_grad(objective, has_aux=True)(params, True)
+  assert lp1.shape == (3, 10) and e1.shape == (3, 10)
+  np.testing.assert_allclose(lp1, lp0, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(e1, e0, rtol=1e-5, atol=1e-6)
+  assert float(v1) == pytest.approx(float(v0), rel=1e-5)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_head_never_holds_the_whole_logits():
+  """XLA's own count of the gradient's temporaries: with a vocabulary far wider than the
+  model, the whole head's B x T x V float32 logits (and their log-softmax and its gradient)
+  dominate; a 4-position chunk holds a fraction of them."""
+  from rhyme_jax.rl import learner  # pylint: disable=import-outside-toplevel
+  wide = dataclasses.replace(CFG, vocab_size=8192)
+  graphdef, params, tokens, targets = _head_inputs(b=2, t=64, cfg=wide)
+
+  def temp_bytes(chunk):
+    def loss(p):
+      logp, ent = learner._forward_logprobs(graphdef, p, tokens, targets, 1.0, True, chunk)
+      return jax.numpy.sum(logp) + jax.numpy.sum(ent)
+    return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  logits_bytes = 2 * 64 * wide.vocab_size * 4
+  whole, chunked = temp_bytes(64), temp_bytes(4)
+  assert whole >= 3 * logits_bytes  # logits, log-softmax, its gradient (17 MB at jax 0.10.2)
+  assert chunked < logits_bytes / 2  # a 4-position chunk's share of them (1.3 MB)

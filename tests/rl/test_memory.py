@@ -12,7 +12,7 @@ from rhyme_jax.config import ConfigError, parse_flags
 from rhyme_jax.models.config import ModelConfig
 from rhyme_jax.models.transformer import init_model
 from rhyme_jax.rl import memory
-from rhyme_jax.rl.learner import Learner
+from rhyme_jax.rl.learner import HEAD_CHUNK, Learner
 from rhyme_jax.rl.rollouts import engine_config
 from rhyme_jax.rl.samples import length_buckets
 from rhyme_jax.rollout import accept
@@ -31,11 +31,13 @@ def _setup(*extra):
   return config, mesh, memory.estimate(config, CFG, mesh)
 
 
+@pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("new_tokens", [32, 224])
-def test_train_step_estimate_close_to_compiled(new_tokens):
+def test_train_step_estimate_close_to_compiled(new_tokens, remat):
   """Within 15% of XLA's own count and never below it by more than 3%, at 64 and 256 tokens
-  (where the attention's T^2 arrays weigh most)."""
-  config, mesh, est = _setup(f"--max_new_tokens={new_tokens}")
+  (where the attention's T^2 arrays weigh most), with --remat too (at 256 tokens the loss
+  head runs in two chunks)."""
+  config, mesh, est = _setup(f"--max_new_tokens={new_tokens}", *(["--remat"] if remat else []))
   learner = Learner(config, init_model(CFG, 0), mesh, CFG)
   b, t = config.rl.samples_per_step, length_buckets(32 + new_tokens)[-1]
   batch = parallel.shard_batch(dict(tokens=np.zeros((b, t), np.int32),
@@ -112,13 +114,19 @@ def test_a_run_that_fits_only_with_sharded_activations_is_warned_not_refused(cap
 
 def test_remat_estimate_keeps_one_input_per_layer_and_one_layers_working_set():
   """--remat: every layer keeps its B x T x D input; one layer's full working set is live at a
-  time (tests/models/test_transformer.py checks what the gradient keeps)."""
+  time (tests/models/test_transformer.py checks what the gradient keeps); the head holds one
+  chunk of positions' logits (tests/rl/test_learner.py checks XLA's count); the layers' scan
+  holds a stacked copy of their parameters."""
   flags = ["--max_new_tokens=224"]
   kept = memory.estimate(parse_flags(FLAGS + flags), CFG, _setup()[1])
   remat = memory.estimate(parse_flags(FLAGS + flags + ["--remat"]), CFG, _setup()[1])
   rows, seq = 4, length_buckets(32 + 224)[-1]
+  assert seq > HEAD_CHUNK
   head = rows * seq * 3 * CFG.vocab_size * 4
   one_layer = (kept.activations - head) // CFG.num_layers
   inputs = CFG.num_layers * rows * seq * CFG.hidden_size * 4
-  assert remat.activations == inputs + one_layer + head
+  chunk_head = rows * HEAD_CHUNK * 3 * CFG.vocab_size * 4 + rows * seq * CFG.hidden_size * 4
+  params = memory.abstract_params(CFG)
+  stacked = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+  assert remat.activations == inputs + one_layer + chunk_head + stacked
   assert remat.activations < kept.activations / 2
