@@ -204,8 +204,10 @@ def _remat_layers(layers, x, positions_BxT, mask_BxTxT):
   every layer's recomputation at once, and on CPU it did (the compiled gradient held every
   layer's working set, with remat or without). The stacked states are one more copy of the
   layers' parameters (and of their gradient) while the step runs."""
-  graphdef, _ = nnx.split(layers[0])
-  states = [nnx.split(layer)[1] for layer in layers]
+  graphdefs, states = zip(*(nnx.split(layer) for layer in layers))
+  graphdef = graphdefs[0]
+  if any(g != graphdef for g in graphdefs[1:]):
+    raise ValueError("remat: the layers differ in structure and cannot be scanned as one")
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
   @jax.checkpoint
