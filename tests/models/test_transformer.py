@@ -79,3 +79,11 @@ def test_remat_holds_one_layers_working_set_in_the_compiled_gradient():
   kept, remat = per_layer(False), per_layer(True)
   assert kept > 4 * 4 * 256 * 256 * 4  # a layer's T x T float32 arrays (4 heads, 4 rows)
   assert remat < kept / 5
+
+
+def test_remat_refuses_layers_it_cannot_stack():
+  model = init_model(CFG, 0)
+  model.layers[1].extra = nnx.Param(jnp.zeros(3))  # one layer unlike the others
+  tokens_BxT = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="layers differ in structure"):
+    model(tokens_BxT, jnp.zeros((1, 4), jnp.int32), remat=True)
