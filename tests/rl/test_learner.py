@@ -133,7 +133,7 @@ def _head_inputs(b=3, t=10, cfg=CFG):
   return graphdef, params, tokens, targets
 
 
-@pytest.mark.parametrize("chunk", [3, 10, 16])  # padded, exact, one chunk longer than T
+@pytest.mark.parametrize("chunk", [3, 16])  # padded chunks; one chunk (cut to T)
 def test_chunked_head_gives_the_whole_heads_values_and_gradients(chunk):
   """--remat applies the head a chunk of positions at a time (learner._chunked_head): the
   log-probs, entropies and their gradients are the whole head's to float rounding."""

@@ -159,7 +159,9 @@ def run_pair(flags, log_dir, cache, timeout=600):
   return pair
 
 
-@pytest.mark.parametrize("spec", ["none", "histospec"])
+# spec=none runs with the slow tests (~60 s): histospec, which adds dynamic sampling, keeps the
+# two-process GRPO path in the default suite
+@pytest.mark.parametrize("spec", [pytest.param("none", marks=pytest.mark.slow), "histospec"])
 def test_two_processes_two_grpo_steps(eos_model, compile_cache, tmp_path, spec):
   """With spec on, also dynamic sampling: hosts refill dropped groups in as many rounds as
   each needs (a host may train on no group at all while the other trains on its own)."""
