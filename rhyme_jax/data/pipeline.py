@@ -32,6 +32,21 @@ from rhyme_jax.data.datasets import Example
 from rhyme_jax.data.prompts import PromptTemplate, RenderFn, render_prompt
 
 
+# The rule that draws the prompt order, saved with every checkpoint: 1 = grain shuffled with
+# the run's seed itself (before 2026-12-02), 2 = with `shuffle_seed`'s hash of it.
+ORDER_VERSION = 2
+
+
+def check_order_version(saved: int, where: str) -> None:
+  """Refuses to resume a prompt stream whose order another rule drew: the same position
+  would hold other prompts, and the resumed epoch would skip some and repeat others."""
+  if saved != ORDER_VERSION:
+    raise ValueError(f"{where}: its prompt order was drawn by data order rule {saved}, this "
+                     f"checkout draws it by rule {ORDER_VERSION} (rhyme_jax.data.pipeline); "
+                     "resuming would skip and repeat prompts: resume with the checkout that "
+                     "wrote it or use a new --run_dir")
+
+
 def shuffle_seed(seed: int) -> int:
   """The 32-bit seed grain shuffles the stream with, hashed from the run's `seed` (>= 0):
   grain's epoch e uses (this + e) mod 2**32, so two runs' epoch orders coincide only where

@@ -203,7 +203,7 @@ def _remat_layers(layers, x, positions_BxT, mask_BxTxT):
   layer's working set live: checkpointed blocks in a Python loop left XLA free to schedule
   every layer's recomputation at once, and on CPU it did (the compiled gradient held every
   layer's working set, with remat or without). The stacked states are one more copy of the
-  layers' parameters (and of their gradient) while the step runs."""
+  layers' parameters while the step runs (rl/memory.py counts it)."""
   graphdefs, states = zip(*(nnx.split(layer) for layer in layers))
   graphdef = graphdefs[0]
   if any(g != graphdef for g in graphdefs[1:]):

@@ -102,6 +102,11 @@ def _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, chunk):
   hidden_NxBxCxD = jnp.moveaxis(hidden_BxTxD.reshape(b, n, chunk, d), 1, 0)
   targets_NxBxC = jnp.moveaxis(targets_BxT.reshape(b, n, chunk), 1, 0)
   graphdef, state = nnx.split(model)
+  # The head's weights enter the scan in float32: their gradient sums over the chunks in the
+  # scan's float32 carry, not in a bfloat16 one rounded once per chunk (the matmul still runs
+  # in the model's compute dtype)
+  head_name = "embed" if model.cfg.tie_word_embeddings else "lm_head"
+  state[head_name] = jax.tree.map(lambda x: x.astype(jnp.float32), state[head_name])
 
   @jax.checkpoint
   def head(state, hidden_BxCxD, targets_BxC):

@@ -51,7 +51,7 @@ from rhyme_jax import multihost, parallel
 from rhyme_jax import run_config
 from rhyme_jax.config import (HOST_LOCAL_FIELDS, LOCKSTEP_FIELDS, RESUMABLE_CHANGES, Config,
                               ConfigError, ids_per_step)
-from rhyme_jax.data.pipeline import PromptPipeline
+from rhyme_jax.data.pipeline import ORDER_VERSION, PromptPipeline, check_order_version
 from rhyme_jax.data.prompts import render_prompt
 from rhyme_jax.models.loading import load_model
 from rhyme_jax.models.sharding import param_shardings
@@ -206,12 +206,11 @@ class Trainer:
     self.learner.params, self.learner.opt_state, self.step = (state.params, state.opt_state,
                                                               state.step)
     host = state.host_state
+    where = f"checkpoint {self.checkpointer.directory / str(state.step)}"
     try:
+      check_order_version(host.get("data_order", 1), where)
       data_state = hosts.my_data_state(host["data_iter"], self.process_index,
-                                       self.process_count,
-                                       f"checkpoint "
-                                       f"{self.checkpointer.directory / str(state.step)}",
-                                       balanced=self.balance)
+                                       self.process_count, where, balanced=self.balance)
     except ValueError as e:
       raise ckpt_lib.CheckpointError(str(e)) from e
     self.data_iter.set_state(data_state)
@@ -227,6 +226,7 @@ class Trainer:
       return  # (every process decides alike: the gather below is a collective)
     store = self.rollouts.store  # the same on every host (hosts.py): process 0's is saved
     host = {"data_iter": hosts.data_states(self.data_iter.get_state()),
+            "data_order": ORDER_VERSION,
             "rng": {"seed": self.config.run.seed},
             "history": store.state_dict() if store is not None else None,
             "epoch_stats": self.epoch_stats.state_dict()}

@@ -4,6 +4,7 @@ import collections
 import itertools
 import json
 
+import grain
 import pytest
 
 from rhyme_jax.data import arithmetic, pipeline, prompts
@@ -50,7 +51,7 @@ def test_neighbouring_seeds_do_not_share_epoch_orders():
 
 def test_shuffle_seed_refuses_what_grain_cannot_take():
   assert pipeline.shuffle_seed(0) != pipeline.shuffle_seed(1)
-  assert 0 <= pipeline.shuffle_seed(2**32 - 1) < 2**32
+  grain.MapDataset.range(3).shuffle(seed=pipeline.shuffle_seed(2**32 - 1))  # grain takes it
   for bad in (-1, 1.5, True):
     with pytest.raises(ValueError, match="seed"):
       pipeline.shuffle_seed(bad)
@@ -104,3 +105,9 @@ def test_bad_arguments():
     _make(render_fn=prompts.render_plain)
   with pytest.raises(ValueError, match="examples is empty"):
     pipeline.PromptPipeline([], batch_size=1, seed=0, process_index=0, process_count=1)
+
+
+def test_a_stream_drawn_by_another_order_rule_is_not_resumed():
+  pipeline.check_order_version(pipeline.ORDER_VERSION, "checkpoint x")
+  with pytest.raises(ValueError, match="checkpoint x: .* rule 1, .* rule 2 .* new --run_dir"):
+    pipeline.check_order_version(1, "checkpoint x")  # a checkpoint from before the seed hash

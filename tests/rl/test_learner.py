@@ -133,12 +133,17 @@ def _head_inputs(b=3, t=10, cfg=CFG):
   return graphdef, params, tokens, targets
 
 
-@pytest.mark.parametrize("chunk", [3, 16])  # padded chunks; one chunk (cut to T)
-def test_chunked_head_gives_the_whole_heads_values_and_gradients(chunk):
-  """--remat applies the head a chunk of positions at a time (learner._chunked_head): the
-  log-probs, entropies and their gradients are the whole head's to float rounding."""
+UNTIED3 = dataclasses.replace(CFG, num_layers=3, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("chunk, cfg", [(3, CFG), (16, CFG), (3, UNTIED3)],
+                         ids=["padded_chunks", "one_chunk", "three_layers_untied"])
+def test_chunked_head_gives_the_whole_heads_values_and_gradients(chunk, cfg):
+  """--remat scans the layers and applies the head a chunk of positions at a time
+  (learner._chunked_head): the log-probs, entropies and their gradients are the plain
+  forward's to float rounding, with a tied head or an lm_head of its own."""
   from rhyme_jax.rl import learner  # pylint: disable=import-outside-toplevel
-  graphdef, params, tokens, targets = _head_inputs()
+  graphdef, params, tokens, targets = _head_inputs(cfg=cfg)
   w = jax.numpy.linspace(0.5, 1.5, 30).reshape(3, 10)
 
   def objective(p, remat):

@@ -133,9 +133,10 @@ def test_two_grpo_steps_update_the_policy(tiny_model, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_eight_device_mesh(tiny_model, tmp_path):
-  """2x2x2 mesh, dynamic sampling, 2 PPO epochs, 2 micro-batches, KL to the reference."""
+  """2x2x2 mesh, dynamic sampling, 2 PPO epochs, 2 micro-batches, KL to the reference,
+  --remat (the layers' stacked states and the head's chunks sharded over fsdp and tensor)."""
   args = tiny_flags(tiny_model, tmp_path / "run", "--num_steps=2", "--mesh_data=2",
-                    "--mesh_fsdp=2", "--mesh_tensor=2", "--dynamic_sampling",
+                    "--mesh_fsdp=2", "--mesh_tensor=2", "--remat", "--dynamic_sampling",
                     "--dynamic_sampling_max_rounds=2", "--ppo_epochs=2", "--micro_batch_size=4",
                     "--kl_beta=0.05", "--loss_aggregation=seq-mean-token-mean",
                     "--overlong_buffer=2")
