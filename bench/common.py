@@ -61,6 +61,17 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
   return statistics.median(times)
 
 
+def int_list(parser, flag: str, text: str) -> tuple[int, ...]:
+  """--flag's comma-separated positive integers, or the parser's one-line error naming it."""
+  try:
+    out = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    parser.error(f"--{flag}={text!r}: expected comma-separated integers")
+  if not out or any(x <= 0 for x in out):
+    parser.error(f"--{flag}={text!r}: every entry must be > 0")
+  return out
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
   lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -66,16 +66,6 @@ MODEL_NAME = "smollm2-135m-instruct"
 MODES = ("history", "siblings", "both")
 
 
-def _int_list(p, flag, text):
-  try:
-    out = tuple(int(x) for x in text.split(","))
-  except ValueError:
-    p.error(f"--{flag}={text!r}: expected comma-separated integers")
-  if not out or any(x <= 0 for x in out):
-    p.error(f"--{flag}={text!r}: every entry must be > 0")
-  return out
-
-
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model", default=MODEL_NAME, help="model name or path (GGUF / HF directory)")
@@ -127,7 +117,7 @@ def parse_args(argv=None):
   bad = [m for m in args.draft_modes if m not in DRAFT_MODES]
   if bad or not args.draft_modes:
     p.error(f"--draft_modes: unknown {bad or 'empty list'}; choose from {DRAFT_MODES}")
-  args.buckets = _int_list(p, "buckets", args.buckets)
+  args.buckets = common.int_list(p, "buckets", args.buckets)
   for flag in ("num_prompts", "group_size", "max_new_tokens", "epochs", "budget",
                "prefill_chunk", "grpo_steps"):
     if getattr(args, flag) <= 0:

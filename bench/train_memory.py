@@ -70,10 +70,7 @@ def main(argv=None) -> None:
                   help="whose config (shapes) to compile; weights are random")
   common.add_results_args(ap)
   args = ap.parse_args(argv)
-  try:
-    seqs = [int(s) for s in args.seqs.split(",")]
-  except ValueError:
-    ap.error(f"--seqs={args.seqs!r}: expected a comma list of integers")
+  seqs = common.int_list(ap, "seqs", args.seqs)
   if args.rows < 2 or args.rows % 2 or any(s <= 64 for s in seqs):
     ap.error(f"--rows={args.rows}, --seqs={args.seqs}: need an even number of rows (groups "
              "of 2) and lengths > 64")

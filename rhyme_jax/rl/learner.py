@@ -90,7 +90,7 @@ def _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, re
 
 def _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, chunk):
   """The head's log-probs and entropies over T in chunks of `chunk` positions (at most T; T
-  padded to a multiple, the padding's values dropped): a scan whose body is a `jax.checkpoint`ed
+  padded to a multiple, the padding's values dropped): a lax.map (a scan) over a `jax.checkpoint`ed
   pure function of the model's state, so the backward pass recomputes one chunk's logits at a
   time and keeps only each chunk's B x chunk x D input."""
   b, t, d = hidden_BxTxD.shape
@@ -114,8 +114,8 @@ def _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, chunk):
     return (losses.token_logprobs(logits_BxCxV, targets_BxC, temperature),
             losses.entropy(logits_BxCxV, temperature))
 
-  _, (logp_NxBxC, ent_NxBxC) = jax.lax.scan(
-      lambda carry, xs: (carry, head(state, *xs)), None, (hidden_NxBxCxD, targets_NxBxC))
+  logp_NxBxC, ent_NxBxC = jax.lax.map(lambda xs: head(state, *xs),
+                                      (hidden_NxBxCxD, targets_NxBxC))
   unchunk = lambda x_NxBxC: jnp.moveaxis(x_NxBxC, 0, 1).reshape(b, n * chunk)[:, :t]
   return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
 
