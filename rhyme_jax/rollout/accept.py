@@ -83,9 +83,9 @@ def pack(trees: Sequence[tuple[np.ndarray, np.ndarray] | None], live_B: Sequence
   mask = np.zeros((p, WORDS), np.uint32)
   mask[q_start[q_len > 0], 0] = 1  # every live row's root (a plain step packs nothing else)
   rows = np.flatnonzero(q_len > 1)  # rows with draft nodes
-  if len(rows):
+  if len(rows):  # draft nodes (a bucket's empty rows pack nothing, so `total` cannot tell)
     _pack_nodes(trees, rows, q_start[rows], q_len[rows] - 1, total, tokens, parent, depth, mask)
-  if total > b:  # draft nodes: a sibling repeating an earlier one's token is dead too
+    # a sibling repeating an earlier one's token is dead too
     node = np.flatnonzero(depth > 0)
     key = parent[node].astype(np.int64) << 32 | tokens[node].astype(np.int64) & 0xFFFFFFFF
     first = np.zeros(len(node), bool)

@@ -124,6 +124,19 @@ def test_pack_kills_nodes_that_break_the_tree_contract():
     assert len(path) == int(acc.num_accepted_B[r]) + 1
 
 
+def test_pack_kills_a_repeated_sibling_in_a_bucket_with_empty_rows():
+  """The duplicate guard must not depend on how full the bucket is: one live row of 2 nodes in
+  a bucket of 4 packs 3 positions, fewer than the bucket's rows. Two matching siblings left
+  alive would both sit on the accepted path (one depth counted twice, a token never sampled)."""
+  trees = [(np.array([5, 5], np.int32), np.array([-1, -1], np.int32)), None, None, None]
+  packed = accept.pack(trees, [True, False, False, False], 8)
+  np.testing.assert_array_equal(packed.tokens_P[:3], [0, 5, accept.NEVER])
+  acc = accept.accept_packed(jnp.asarray([5, 9, 9, 0, 0, 0, 0, 0], jnp.int32), jnp.zeros(8),
+                             accept.PackedTrees(*map(jnp.asarray, packed)), 4, 3)
+  assert int(acc.num_accepted_B[0]) == 1
+  np.testing.assert_array_equal(np.asarray(acc.emitted_BxT)[0, :2], [5, 9])
+
+
 def reference_layout(trees, live, p):
   """The packed layout node by node, as `pack` defines it: (tokens, parent, depth, ancestor
   bits) per packed position, a node with a bad parent (or none given) dead below the root, a
@@ -157,9 +170,10 @@ def test_pack_matches_a_node_by_node_layout_on_random_and_malformed_trees():
   rng = np.random.default_rng(0)
   for _ in range(300):
     b = int(rng.integers(1, 12))
-    trees, live = [], [bool(rng.random() < 0.85) for _ in range(b)]
+    full = 0.85 if rng.random() < 0.5 else 0.2  # half of the buckets mostly empty
+    trees, live = [], [bool(rng.random() < full) for _ in range(b)]
     for _ in range(b):
-      n = int(rng.integers(0, accept.MAX_ROW_TOKENS))
+      n = int(rng.integers(0, 4 if rng.random() < 0.5 else accept.MAX_ROW_TOKENS))
       pars = [int(rng.integers(-1, j)) if j else -1 for j in range(n)]
       if n and rng.random() < 0.3:
         pars[int(rng.integers(n))] = int(rng.integers(-4, n + 4))
