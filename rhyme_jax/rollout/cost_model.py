@@ -151,9 +151,9 @@ class CostModel:
   def time(self, shape: Shape) -> float:
     """Seconds per step of `shape`, never below a measured shape of the same bucket and cache
     length that computes no more (fewer positions): noise must not make a bigger step look
-    cheaper. Only shapes of one cache length compete in a step, so no other length's
-    measurement (a short cache's steps follow prefills, say) may lift them. Unmeasured shapes
-    scale the nearest measured one by P."""
+    cheaper. Only measurements at the shape's own cache length count here: another length's
+    (a short cache's steps follow prefills, say) may not lift it. Unmeasured shapes scale the
+    nearest measured one by P."""
     own = self._time(shape)
     smaller = [self._time(s) for s in self.seconds
                if s[0] == shape[0] and s[3] == shape[3] and s[1] <= shape[1] and s[2] <= shape[2]]

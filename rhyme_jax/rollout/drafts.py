@@ -128,8 +128,11 @@ class DraftTree:
     if not nodes:
       return None
     tree = DraftTree.from_nodes(nodes, len(nodes))
-    if self.probs is not None:  # the drafter's estimates, for the engine's cost model
-      tree.probs = self.probs[kept]
+    if self.probs is not None:  # the drafter's estimates, for the engine's cost model: a
+      # path's probability from the new root is conditional on having reached it
+      reached = float(self.probs[node]) if node >= 0 else 1.0
+      tree.probs = (np.minimum(self.probs[kept] / reached, 1.0).astype(np.float32)
+                    if reached > 0 else self.probs[kept])
     return tree
 
   def padded(self, budget: int) -> "DraftTree":

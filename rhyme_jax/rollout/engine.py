@@ -263,27 +263,34 @@ class RolloutEngine:
 
   # ---- the loop --------------------------------------------------------------------------------
 
-  def _plan(self, bucket: int, slots: list, live_idx: list[int]) -> tuple[bool, float | None]:
+  def _plan(self, bucket: int, slots: list, live_idx: list[int], context: int
+            ) -> tuple[bool, float | None]:
     """Whether to draft this step, and the gain expected of asking (None unless "auto" weighed
     it; 0.0 when it does not ask): "always" does; "auto" asks the cost model whether any
     speculative shape could beat a plain step with chains at each request's acceptance, scaled
-    by what asking delivered so far."""
+    by what asking delivered so far. `context`: as `_draft`'s, so each shape is weighed at the
+    cache length its step would run in."""
     mode = self.config.speculate if self.drafter is not None else "never"
     shapes = self.config.spec_shapes(bucket)
     if mode == "never" or not shapes:
       return False, None
     if mode == "always":
       return True, None
-    s = self.kv_lengths[-1]
     cap = max(t for _, t in shapes) - 1
     values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
               for i in live_idx]
-    shape, take, _ = self.costs.choose((bucket, bucket, 1, s),
-                                       [(bucket, p, t, s) for p, t in shapes], values,
+    shape, take, _ = self.costs.choose((bucket, bucket, 1, self._kv_len_for(context + 1)),
+                                       self._shapes_at(bucket, shapes, context), values,
                                        len(live_idx), scale=self.costs.ask_scale)
     if shape[1] == bucket:
       return False, 0.0
     return True, float(sum(v[:n].sum() for v, n in zip(values, take)))
+
+  def _shapes_at(self, bucket: int, shapes, context: int) -> list:
+    """The speculative (P, T) shapes as cost-model shapes, each at the cache length its step
+    would run in (the loop's `_kv_len_for(context + T)`): near a length boundary a plain step
+    may still fit the shorter length that a tree step leaves."""
+    return [(bucket, p, t, self._kv_len_for(context + t)) for p, t in shapes]
 
   def _draft(self, bucket: int, slots: list, live_idx: list[int], context: int,
              lookahead: bool, ahead_only: bool):
@@ -309,12 +316,12 @@ class RolloutEngine:
     cleaned = cleaned_drafts(self.drafter.propose(queries), [q.budget for q in queries])
     values = [self.costs.node_values(slots[i].req.request_id, tree_depths(c[1]), c[2])
               for i, c in zip(live_idx, cleaned)]
-    s = self._kv_len_for(context + cap + 1)
-    cands = [(bucket, p_, t_, s) for p_, t_ in shapes]
+    cands = self._shapes_at(bucket, shapes, context)
     if cfg.speculate == "always":
       shape, take, _ = self.costs.choose(None, cands[-1:], values, len(live_idx))
     else:
-      shape, take, _ = self.costs.choose((bucket, bucket, 1, s), cands, values, len(live_idx))
+      plain = (bucket, bucket, 1, self._kv_len_for(context + 1))
+      shape, take, _ = self.costs.choose(plain, cands, values, len(live_idx))
     trees: list = [None] * bucket
     per_slot = [(0, 0, None, None)] * bucket
     for k, i in enumerate(live_idx):

@@ -43,9 +43,8 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: jax.Array  # its outputs as one array (step.to_wire)
-  # (slot, LiveRequest, drafted nodes, depth of the verified tree (-1: nothing to learn), the
-  # verified nodes' drafter probabilities summed per depth (None: it gave none), and the gain
-  # the cost model expected of them)
+  # (slot, LiveRequest, drafted nodes, verified tree depth (-1: nothing to learn), verified
+  # nodes' drafter probabilities summed per depth (None: none given), the gain expected of them)
   rows: list
   shape: tuple
   steps: int = 1  # decode steps the launch ran (plain steps only when > 1: multi_step)
@@ -70,8 +69,7 @@ class Rollout:
   """One `generate` call's state and loop; see the module docstring. `run` once."""
 
   def __init__(self, engine, requests: Sequence[Request], admission: AdmissionOrder | None):
-    """`engine`: the `RolloutEngine` whose compiled functions, cost model and drafter the
-    rollout uses (this module does not import it: the engine imports this one)."""
+    """`engine`: the `RolloutEngine` whose compiled parts the rollout uses (not imported here)."""
     self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
     self.engine = engine
     self.cfg = cfg = engine.config
@@ -150,8 +148,9 @@ class Rollout:
       target = bucket_target(self, live_idx)
       if self.pending is None and target < self.bucket:
         live_idx = self._move(live_idx, target)
-      speculate, ask_gain = (engine._plan(self.bucket, self.slots, live_idx) if live_idx
-                             else (False, None))
+      speculate, ask_gain = (engine._plan(self.bucket, self.slots, live_idx,
+                                          sum(self._context(live_idx)))
+                             if live_idx else (False, None))
       moves = target < self.bucket
       if self.pending is not None and (speculate or moves or not cfg.pipeline or not live_idx):
         # Drafts need the step's emitted tokens, a bucket move a quiet state: read it now.
@@ -234,11 +233,9 @@ class Rollout:
     return live_idx
 
   def _dispatch(self, live_idx: list[int], speculate: bool, ask_gain: float | None) -> _Step:
-    """Drafts (when `speculate`: `RolloutEngine._draft`), packs and dispatches the next step
-    over the live rows."""
+    """Drafts (if `speculate`: `RolloutEngine._draft`), packs and dispatches the next step."""
     engine, stats, slots, bucket = self.engine, self.stats, self.slots, self.bucket
-    in_flight = 0 if self.pending is None else self.pending.shape[2] * self.pending.steps
-    longest = max(len(slots[i].req.prompt) + len(slots[i].tokens) for i in live_idx)
+    longest, in_flight = self._context(live_idx)
     live_B = tuple(slots[i] is not None for i in range(bucket))
     wide, drafted = [], 0
     if speculate:
@@ -283,6 +280,11 @@ class Rollout:
     stats.live_positions += (len(live_idx) + drafted) * k
     stats.trace.append((bucket, p, len(live_idx), len(self.queue)))
     return st
+
+  def _context(self, live_idx: list[int]) -> tuple[int, int]:
+    """(The longest live row's length, the tokens per row the step in flight may add.)"""
+    return (max(len(self.slots[i].req.prompt) + len(self.slots[i].tokens) for i in live_idx),
+            0 if self.pending is None else self.pending.shape[2] * self.pending.steps)
 
   def _launch_steps(self, live_idx: list[int], in_flight: int, longest: int) -> int:
     """Plain steps the next launch runs: `EngineConfig.multi_step`, or 1 where a longer launch

@@ -46,6 +46,10 @@ def requests(n=16, seed=0, params=PARAMS):
 
 
 def engine(model, drafter=None, budget=0, filters=False, **kw):
+  # Bucket moves where the rows fit ("always"): the cost model's choice ("cost") weighs measured
+  # step times, so two runs on a loaded machine could move at different passes and then step,
+  # yield and admit differently; these tests compare runs.
+  kw.setdefault("bucket_moves", "always")
   cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=budget,
                      pack_factors=(budget + 1,) if budget else (2,),
                      speculate="always" if budget else "never", kv_buckets=1, eos_ids=(EOS,),

@@ -27,9 +27,14 @@ def test_after_is_none_off_the_tree_or_at_a_leaf():
   assert TREE.after([5, 6, 7]) is None
 
 
-def test_after_keeps_the_drafters_estimates_of_the_nodes_it_keeps():
+def test_after_keeps_the_drafters_estimates_conditional_on_the_path_taken():
+  """A node's estimate is the probability its path from the root is accepted; below the
+  emitted path the new root has been reached, so each kept node's is divided by the reached
+  node's (order, and so best-first, unchanged)."""
   tree = DraftTree.of([5, 6, 9, 7, 8], [-1, 0, -1, 1, 0], probs=[0.9, 0.6, 0.3, 0.4, 0.2])
-  np.testing.assert_allclose(tree.after([5]).probs, [0.6, 0.4, 0.2])
+  np.testing.assert_allclose(tree.after([5]).probs, np.array([0.6, 0.4, 0.2]) / 0.9, rtol=1e-6)
+  np.testing.assert_allclose(tree.after([5, 6]).probs, [0.4 / 0.6], rtol=1e-6)
+  np.testing.assert_allclose(tree.after([]).probs, tree.probs)
   assert TREE.after([5]).probs is None
 
 

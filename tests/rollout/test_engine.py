@@ -10,6 +10,7 @@ import pytest
 from rhyme_jax.rollout.drafts import (DraftTree, NoDrafts, OracleDrafter, RandomDrafter,
                                       StatelessDrafter)
 from rhyme_jax.rollout.engine import TRACE_COUNTS, EngineConfig, Request, RolloutEngine
+from rhyme_jax.rollout.live import LiveRequest
 from rhyme_jax.rollout.sampling import SamplingParams
 
 from tests.rollout.conftest import mixed_prompts
@@ -439,3 +440,33 @@ def test_a_rollout_warm_up_did_not_compile_for_is_named(tiny_model, caplog):
     eng.generate(topp)
     eng.generate([Request(1, [1, 2], PARAMS["t1.0"])])
     assert not caplog.records and dict(TRACE_COUNTS) == before
+
+
+def test_draft_choice_weighs_each_shape_at_the_cache_length_it_runs_in(tiny_model):
+  """Near a cache-length boundary a plain step still fits the shorter length while every tree
+  step needs the longer one; the choice must weigh each at the length its step will run in
+  (the loop's), not all at the longest tree's. Here a step at the longer length costs 20x: at
+  the boundary plain wins; well below it, where every shape fits the short length, trees do."""
+  cfg = EngineConfig(max_len=64, buckets=(4, 2, 1), max_draft=8, kv_buckets=2, eos_ids=(EOS,),
+                     seed=5)
+  short, long = sorted(cfg.kv_lengths())
+  assert short < long
+  reqs = [Request(i, [1, 2, 3, 4], SamplingParams(temperature=0.0, max_new_tokens=60))
+          for i in range(4)]
+  targets = {r.request_id: [5 + i % 7 for i in range(64)] for r in reqs}
+  eng = RolloutEngine(tiny_model, cfg, OracleDrafter(targets, 64))
+  eng.costs.seconds = {
+      (b, p, t, s): (1.0 if s == short else 20.0)
+      for b in cfg.buckets for p, t in [(b, 1)] + list(cfg.spec_shapes(b)) for s in (short, long)}
+  assert max(t for _, t in cfg.spec_shapes(4)) > 2
+
+  def chosen(context):  # (whether "auto" asks for drafts, the T of the shape chosen)
+    slots = [LiveRequest(r, tokens=targets[r.request_id][:context - 4]) for r in reqs]
+    ask, _ = eng._plan(4, slots, [0, 1, 2, 3], context)
+    _, _, _, t, _ = eng._draft(4, slots, [0, 1, 2, 3], context, lookahead=False,
+                               ahead_only=False)
+    return ask, t
+
+  assert chosen(short - 1) == (False, 1)  # plain fits `short`; any tree would run at `long`
+  ask, t = chosen(short - 1 - max(t for _, t in cfg.spec_shapes(4)))  # all fit `short`
+  assert ask and t > 1
