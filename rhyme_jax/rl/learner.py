@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,39 @@ from rhyme_jax.rl.advantages import get_advantage
 from rhyme_jax.rl.samples import Sample, batch_tokens, length_buckets, pack_batch
 
 
+class MasterWeights(NamedTuple):
+  """The optimiser state of `with_master_weights`: the inner one and the float32 copies."""
+  inner: Any
+  master: Any
+
+
+def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` run on float32 master copies of low-precision (bfloat16) parameters.
+
+  An AdamW step is about the learning rate (1e-6 by default), far below a bfloat16 weight's
+  resolution (2**-8 of it): applied to the bfloat16 weights it rounds away and the run trains
+  without moving them. The masters accumulate the steps (and hold the moments' inputs in
+  float32); the update returned takes each parameter to its master's rounding (as float32, so
+  `optax.apply_updates` lands on it exactly)."""
+
+  def init(params):
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return MasterWeights(tx.init(master), master)
+
+  def update(grads, state, params=None):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, inner = tx.update(grads, state.inner, state.master)
+    master = optax.apply_updates(state.master, updates)
+    to_master = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(jnp.float32)
+                             - p.astype(jnp.float32), master, params)
+    return to_master, MasterWeights(inner, master)
+
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-  """AdamW, optional linear warm-up (counted in optimiser updates) and global-norm clipping."""
+  """AdamW, optional linear warm-up (counted in optimiser updates) and global-norm clipping;
+  with bfloat16 parameters (--param_dtype) over float32 master weights (`with_master_weights`)."""
   rl = config.rl
   if rl.warmup_steps:
     lr = optax.warmup_constant_schedule(0.0, rl.learning_rate, rl.warmup_steps * rl.ppo_epochs)
@@ -42,7 +73,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
   if rl.max_grad_norm > 0:
     parts.append(optax.clip_by_global_norm(rl.max_grad_norm))
   parts.append(optax.adamw(lr, weight_decay=rl.weight_decay))
-  return optax.chain(*parts)
+  tx = optax.chain(*parts)
+  return tx if config.model.param_dtype == "float32" else with_master_weights(tx)
 
 
 def optimizer_shardings(abstract_opt_state, mesh, model_config):
@@ -120,9 +152,10 @@ def _chunked_head(model, hidden_BxTxD, targets_BxT, temperature, chunk):
   return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
 
 
-def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT):
-  """Trainer log-probs of the targets (no gradient)."""
-  return _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature)[0]
+def logprob_step(graphdef, temperature, params, tokens_BxT, targets_BxT, remat=False):
+  """Trainer log-probs of the targets (no gradient); with `remat` (--remat) the head runs
+  in chunks here too, so the old / reference pass never holds the whole B x T x V logits."""
+  return _forward_logprobs(graphdef, params, tokens_BxT, targets_BxT, temperature, remat)[0]
 
 
 def micro_weights(mask_MxRxT: jax.Array, aggregation: str) -> tuple[jax.Array, jax.Array]:
@@ -166,11 +199,12 @@ def update_step(graphdef, tx, loss_name: str, loss_cfg: losses.PolicyLossConfig,
   def body(acc, xs):
     mb, w, tw = xs
     (loss, mets), grads = grad_fn(params, mb)
-    scaled = (jax.tree.map(lambda g: w * g, grads), w * loss,
+    scaled = (jax.tree.map(lambda g: w * g.astype(jnp.float32), grads), w * loss,
               jax.tree.map(lambda m: tw * m, mets))
     return jax.tree.map(jnp.add, acc, scaled), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  # Gradients sum over micro-batches in float32, whatever the parameters' dtype.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   mets0 = jax.eval_shape(lambda: micro_loss(params, jax.tree.map(lambda x: x[0], micro))[1])
   mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
   (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0), mets0),
@@ -206,7 +240,7 @@ class Learner:
         donate_argnums=(0, 1),
         out_shardings=(shardings(self.params), shardings(self.opt_state), None))
     self._logprobs = jax.jit(functools.partial(logprob_step, self.graphdef,
-                                               c.rollout.temperature),
+                                               c.rollout.temperature, remat=c.rl.remat),
                              out_shardings=jax.sharding.NamedSharding(mesh, parallel.fit_spec(
                                  parallel.batch_spec(), (self.micro * jax.process_count(), 1),
                                  mesh)))

@@ -44,7 +44,8 @@ class MemoryEstimate:
   opt_state: int
   ref_params: int  # the frozen reference policy (KL penalty on), else 0
   # Three parameter-sized trees live through an update: the micro-batch scan's gradient
-  # accumulator, the gradient of the micro-batch being added, and the optimiser's updates.
+  # accumulator and the optimiser's updates (float32 whatever the parameters' dtype), and the
+  # gradient of the micro-batch being added (the parameters' dtype).
   grads: int
   activations: int  # kept by one micro-batch's forward for its backward pass (approximate)
   # The same with the micro-batch's rows split over the mesh's batch axes (data x fsdp), as if
@@ -163,7 +164,7 @@ def estimate(config: Config, model_config: ModelConfig, mesh) -> MemoryEstimate:
                    + stack)
   return MemoryEstimate(
       params=p_bytes, opt_state=o_bytes, ref_params=p_bytes if c.rl.kl_beta > 0 else 0,
-      grads=3 * p_bytes, activations=act(rows),
+      grads=p_bytes * (1 + 2 * 4 // jnp.dtype(m.jnp_param_dtype).itemsize), activations=act(rows),
       activations_sharded=act(min(rows, -(-rows * jax.process_count() // shards))),
       kv_cache=kv_bytes, kv_bucket=bucket, kv_positions=eng.cache_len, rollout_params=replica)
 

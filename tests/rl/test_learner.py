@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from rhyme_jax import parallel
 from rhyme_jax.config import parse_flags
@@ -178,3 +179,53 @@ def test_chunked_head_never_holds_the_whole_logits():
   whole, chunked = temp_bytes(64), temp_bytes(4)
   assert whole >= 3 * logits_bytes  # logits, log-softmax, its gradient (17 MB at jax 0.10.2)
   assert chunked < logits_bytes / 2  # a 4-position chunk's share of them (1.3 MB)
+
+
+@pytest.mark.parametrize("flags", [[], pytest.param(
+    ["--micro_batch_size=2", "--ppo_epochs=2", "--kl_beta=0.1"], marks=pytest.mark.slow)])
+def test_bfloat16_parameters_train_on_float32_master_weights(flags, tmp_path):
+  """--param_dtype=bfloat16. An update is about the learning rate (here 1e-5), below a bfloat16
+  weight's resolution (2**-8 of it): applied to bfloat16 weights most of it rounds away, so the
+  optimiser runs on float32 master weights and the bfloat16 parameters are their rounding.
+  (Before, the first update failed: a bfloat16 gradient sum in a float32-weighted scan.) The
+  masters move by about the learning rate, survive a checkpoint, and the loss follows a
+  float32 run's."""
+  from rhyme_jax.checkpoint import RunCheckpointer
+  from rhyme_jax.rl.learner import MasterWeights
+
+  def run(dtype):
+    cfg = dataclasses.replace(CFG, param_dtype=dtype, dtype=dtype)
+    config = parse_flags(["--run_dir=unused", "--group_size=2", "--prompts_per_step=2",
+                          "--max_prompt_len=8", "--max_new_tokens=8", "--learning_rate=1e-5",
+                          "--temperature=1.0", f"--param_dtype={dtype}", *flags])
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    model = init_model(cfg, 0)  # the float32 model's weights, rounded: both runs start alike
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(init_model(CFG, 0))))
+    learner = Learner(config, model, mesh, cfg)
+    before = [np.asarray(x, np.float32) for x in jax.tree.leaves(learner.params)]
+    losses = [learner.train_on(_groups([[1.0, 0.0], [0.0, 1.0]]))["train/loss"]
+              for _ in range(2)]
+    return learner, before, losses
+
+  learner, before, losses = run("bfloat16")
+  assert isinstance(learner.opt_state, MasterWeights)
+  params, master = jax.tree.leaves(learner.params), jax.tree.leaves(learner.opt_state.master)
+  assert {p.dtype for p in params} == {np.dtype("bfloat16")}
+  assert {m.dtype for m in master} == {np.dtype("float32")}
+  moved = max(float(np.abs(np.asarray(m) - b).max()) for m, b in zip(master, before))
+  assert 1e-5 < moved < 1e-4, moved  # Adam: about the learning rate per update
+  for p, m in zip(params, master):  # the parameters are the masters' rounding, exactly
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))
+  ref, ref_before, ref_losses = run("float32")
+  assert not isinstance(ref.opt_state, MasterWeights)
+  np.testing.assert_allclose(losses, ref_losses, atol=2e-3)
+  step = np.concatenate([(np.asarray(m) - b).ravel() for m, b in zip(master, before)])
+  ref_step = np.concatenate([(np.asarray(p) - b).ravel()
+                             for p, b in zip(jax.tree.leaves(ref.params), ref_before)])
+  assert np.mean(np.sign(step) == np.sign(ref_step)) > 0.95  # the same direction, mostly
+  with RunCheckpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, params=learner.params, opt_state=learner.opt_state)
+    back = ckpt.restore(abstract_params=learner.params, abstract_opt_state=learner.opt_state)
+  assert isinstance(back.opt_state, MasterWeights)
+  for a, b in zip(jax.tree.leaves(back.opt_state), jax.tree.leaves(learner.opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,6 +3,8 @@ and the refusal of a config that cannot fit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -31,6 +33,18 @@ def _setup(*extra):
   return config, mesh, memory.estimate(config, CFG, mesh)
 
 
+def _compiled_update(config, model_config, mesh, tokens):
+  """XLA's memory analysis of the learner's compiled update at `tokens` per row."""
+  learner = Learner(config, init_model(model_config, 0), mesh, model_config)
+  b, t = config.rl.samples_per_step, length_buckets(tokens)[-1]
+  batch = parallel.shard_batch(dict(tokens=np.zeros((b, t), np.int32),
+                                    targets=np.zeros((b, t), np.int32),
+                                    adv=np.zeros((b,), np.float32),
+                                    mask=np.ones((b, t), np.float32)), mesh)
+  return learner._update.lower(learner.params, learner.opt_state, batch).compile(
+      ).memory_analysis()
+
+
 @pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("new_tokens", [32, 224])
 def test_train_step_estimate_close_to_compiled(new_tokens, remat):
@@ -38,20 +52,28 @@ def test_train_step_estimate_close_to_compiled(new_tokens, remat):
   (where the attention's T^2 arrays weigh most), with --remat too (at 256 tokens the loss
   head runs in two chunks)."""
   config, mesh, est = _setup(f"--max_new_tokens={new_tokens}", *(["--remat"] if remat else []))
-  learner = Learner(config, init_model(CFG, 0), mesh, CFG)
-  b, t = config.rl.samples_per_step, length_buckets(32 + new_tokens)[-1]
-  batch = parallel.shard_batch(dict(tokens=np.zeros((b, t), np.int32),
-                                    targets=np.zeros((b, t), np.int32),
-                                    adv=np.zeros((b,), np.float32),
-                                    mask=np.ones((b, t), np.float32)), mesh)
-  ma = learner._update.lower(learner.params, learner.opt_state, batch).compile(
-      ).memory_analysis()
+  ma = _compiled_update(config, CFG, mesh, 32 + new_tokens)
   # Parameters and Adam moments are the compiled step's (donated) arguments: exact.
   assert abs((est.params + est.opt_state) / ma.argument_size_in_bytes - 1) < 0.01
   # The whole step: arguments plus XLA's temporaries (outputs alias the donated arguments).
   compiled = ma.argument_size_in_bytes + ma.temp_size_in_bytes
   estimated = est.params + est.opt_state + est.grads + est.activations
   assert 0.97 < estimated / compiled < 1.15, (estimated, compiled)
+
+
+def test_bfloat16_state_counts_the_float32_master_weights():
+  """--param_dtype=bfloat16: the optimiser keeps float32 master weights besides its two
+  moments (learner.with_master_weights), 12 bytes per 2-byte parameter, and the estimate of
+  the step's arguments is still XLA's. (Its temporaries are not compared: XLA's CPU backend
+  computes bfloat16 in float32.)"""
+  cfg = dataclasses.replace(CFG, param_dtype="bfloat16", dtype="bfloat16")
+  config = parse_flags(FLAGS + ["--param_dtype=bfloat16"])
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  est = memory.estimate(config, cfg, mesh)
+  assert 5.9 < est.opt_state / est.params < 6.1
+  assert est.grads == 5 * est.params  # the step's gradient, and a float32 sum and update
+  ma = _compiled_update(config, cfg, mesh, 64)
+  assert abs((est.params + est.opt_state) / ma.argument_size_in_bytes - 1) < 0.01
 
 
 def test_rollout_step_estimate_within_10_percent_of_compiled():
