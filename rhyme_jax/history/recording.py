@@ -11,7 +11,7 @@ File format (`.npz`, `Recording.save` / `Recording.load`):
   request_ids  int64[R]               the engine's request ids
   prompt_index int64[R]               which prompt (index into `prompt_keys` / `prompt_lengths`)
   finish       <U8[R]                 finish reasons ("eos" | "stop" | "length")
-  prompt_tokens int32[sum of prompt lengths], prompt_lengths int64[P], prompt_keys <U32[P]
+  prompt_tokens int32[sum of prompt lengths], prompt_lengths int64[P], prompt_keys str[P]
   meta_json    str: {"epoch", "seed", "temperature", "top_p", "top_k", "max_new_tokens",
                 "group_size", "model", "dataset", "split", "prompt_offset", "dtype", ...}
 Group ids are "e{epoch}/p{prompt_index}"; prompt keys are `store.prompt_key(prompt tokens)`.
@@ -92,7 +92,8 @@ class Recording:
                         request_ids=np.asarray(self.request_ids, np.int64),
                         prompt_index=np.asarray(self.prompt_index, np.int64),
                         finish=np.array(self.finish, dtype="<U8"), prompt_tokens=pflat,
-                        prompt_lengths=plen, prompt_keys=np.array(self.prompt_keys, dtype="<U32"),
+                        prompt_lengths=plen,
+                        prompt_keys=np.array([str(k) for k in self.prompt_keys], str),
                         meta_json=np.array(json.dumps(self.meta)))
     os.replace(tmp, path)  # readers never see a half-written file
 

@@ -40,6 +40,10 @@ def test_save_load_round_trip_and_merge(tmp_path):
   assert both.groups()[b.prompt_keys[2]][0] is b.responses[8]
   with pytest.raises(ValueError, match="temperature"):
     merge([a, Recording(**{**b.__dict__, "meta": {**b.meta, "temperature": 1.0}})])
+  long_keys = Recording(**{**a.__dict__, "prompt_keys": [f"dataset/train/{'x' * 40}-{i}"
+                                                         for i in range(3)]})
+  long_keys.save(tmp_path / "long.npz")  # keys of any length come back whole, not cut at 32
+  assert Recording.load(tmp_path / "long.npz").prompt_keys == long_keys.prompt_keys
   np.savez(tmp_path / "bad.npz", tokens=np.zeros(3))
   with pytest.raises(ValueError, match="missing field"):
     Recording.load(tmp_path / "bad.npz")
