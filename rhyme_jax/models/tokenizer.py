@@ -26,13 +26,16 @@ _STOP_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
                  "<end_of_turn>")
 
 # llama.cpp `tokenizer.ggml.pre` names -> split regex applied before the byte-level mapping.
-# None means the GPT-2 regex built into `ByteLevel(use_regex=True)`.
+# None means the GPT-2 regex built into `ByteLevel(use_regex=True)`; _DIGITS, that regex after
+# every number character (\p{N}) is split off on its own, as SmolLM's and StarCoder's
+# tokenizer.json do (`Digits(individual_digits=True)`; llama.cpp splits `\p{N}` first too).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGITS = "digits"
 _PRE_SPLITS = {
-    "default": None, "gpt2": None, "gpt-2": None, "smollm": None, "starcoder": None,
+    "default": None, "gpt2": None, "gpt-2": None, "smollm": _DIGITS, "starcoder": _DIGITS,
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
@@ -53,12 +56,33 @@ def _byte_alphabet() -> dict[int, str]:
   return table
 
 
+# Pre names whose BPE takes a piece found whole in the vocabulary as is, before any merge
+# (tokenizer.json's `ignore_merges`, as Llama 3's sets and llama.cpp does for these).
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
+
+
 def _pre_tokenizer(split: str | None):
   if split is None:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if split == _DIGITS:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
   return pre_tokenizers.Sequence([
       pre_tokenizers.Split(Regex(split), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _read_json(path: str) -> dict:
+  """A JSON object file; a malformed one is a ValueError naming it."""
+  try:
+    with open(path) as f:
+      out = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(out, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
+  return out
 
 
 def _token_text(tok: Any) -> str | None:
@@ -111,7 +135,9 @@ class Tokenizer:
     for i, t in enumerate(tokens):
       key = t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))
       vocab.setdefault(key, i)
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                     ignore_merges=pre in _IGNORE_MERGES)
+    backend = tokenizers.Tokenizer(bpe)
     backend.pre_tokenizer = _pre_tokenizer(_PRE_SPLITS[pre])
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|> ...) stay whole and count as special; user-defined ones
@@ -153,8 +179,7 @@ class Tokenizer:
     conf_path = os.path.join(directory, "tokenizer_config.json")
     conf = {}
     if os.path.isfile(conf_path):
-      with open(conf_path) as f:
-        conf = json.load(f)
+      conf = _read_json(conf_path)
     template = conf.get("chat_template")
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if template is None and os.path.isfile(jinja_path):
@@ -178,8 +203,7 @@ class Tokenizer:
     for name in ("config.json", "generation_config.json"):
       path = os.path.join(directory, name)
       if os.path.isfile(path):
-        with open(path) as f:
-          e = json.load(f).get("eos_token_id")
+        e = _read_json(path).get("eos_token_id")
         extra += [i for i in ([e] if isinstance(e, int) else list(e or [])) if i not in extra]
     eos = tid("eos_token")
     if eos is None and extra:

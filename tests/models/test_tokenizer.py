@@ -164,3 +164,55 @@ def test_broken_tokenizer_json_names_the_file(tmp_path):
   os.truncate(tj, tj.stat().st_size // 2)
   with pytest.raises(ValueError, match=rf"^{tj}: cannot read the tokenizer"):
     Tokenizer.from_directory(tmp_path)
+
+
+def test_smollm2_splits_every_number_character_on_its_own(smollm2_tokenizer):
+  """SmolLM2's tokenizer.json pre-tokenizes with `Digits(individual_digits=True)` before the
+  byte-level split (llama.cpp's `smollm` pre splits `\\p{N}` first too): a number character
+  never merges with the space before it. ASCII digits come out the same either way (the
+  vocabulary has no space + digit token), so the transformers parity texts cannot show it."""
+  enc = smollm2_tokenizer.encode
+  assert enc(" ²") == enc(" ") + enc("²")
+  assert enc("x ² y") == enc("x") + enc(" ") + enc("²") + enc(" y")
+  assert enc("① ② ③") == enc("①") + enc(" ") + enc("②") + enc(" ") + enc("③")
+  assert enc(" ٣٤") == enc(" ") + enc("٣") + enc("٤")
+  assert smollm2_tokenizer.decode(enc("x ² y ½")) == "x ² y ½"
+
+
+def _gguf_tokenizer(path, pre, tokens, merges):
+  import gguf
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(pre)
+  w.add_token_list(tokens + ["<|end_of_text|>"])
+  w.add_token_types([1] * len(tokens) + [3])
+  w.add_token_merges(merges)
+  w.add_eos_token_id(len(tokens))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return Tokenizer.from_gguf(path)
+
+
+def test_llama3_pre_takes_a_whole_vocabulary_piece_before_merging(tmp_path):
+  """Llama 3's tokenizer.json sets `ignore_merges` (llama.cpp does for llama-bpe): a piece that
+  is in the vocabulary is one token even where the merges could not build it ("abc" here,
+  with only the merge "a b"); other pre names merge as BPE does."""
+  tokens = ["a", "b", "c", "ab", "abc"]
+  t = _gguf_tokenizer(tmp_path / "l3.gguf", "llama-bpe", tokens, ["a b"])
+  assert t.encode("abc") == [4]
+  t = _gguf_tokenizer(tmp_path / "q2.gguf", "qwen2", tokens, ["a b"])
+  assert t.encode("abc") == [3, 2]
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_malformed_json_beside_the_tokenizer_names_its_file(tmp_path, name):
+  import tokenizers
+  from tokenizers import models
+  tokenizers.Tokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token="a")).save(
+      str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+  (tmp_path / name).write_text('{"eos_token_id": 1,\n')
+  with pytest.raises(ValueError, match=rf"^{tmp_path / name}: not valid JSON"):
+    Tokenizer.from_directory(tmp_path)
