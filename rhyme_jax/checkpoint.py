@@ -272,7 +272,7 @@ class RunCheckpointer:
     )
 
   def restore_latest(self, *, abstract_params: Any = None, abstract_opt_state: Any = None,
-                     warn=None, agree=None) -> RunState | None:
+                     warn=None, agree=None, validate=None) -> RunState | None:
     """The newest checkpoint that restores whole, or None when there is none.
 
     Steps are tried newest first. When an older one restores, every newer one that failed
@@ -288,6 +288,9 @@ class RunCheckpointer:
     every process raises `CheckpointError` (nothing moved) rather than train from different
     steps; a step that failed anywhere is moved aside (by process 0) only once all restored
     the same older one, and all of them see the move before they go on.
+
+    `validate(state)` (the caller's checks of what it will load) raising `CheckpointError`
+    makes a step that read back count as unreadable too (a host state this program cannot use).
     """
     steps = self.all_steps()
     failed: dict[int, str] = {}
@@ -296,6 +299,8 @@ class RunCheckpointer:
       try:
         state = self.restore(step, abstract_params=abstract_params,
                              abstract_opt_state=abstract_opt_state)
+        if validate is not None:
+          validate(state)
         break
       except CheckpointError as e:
         failed[step] = str(e)

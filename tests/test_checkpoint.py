@@ -278,6 +278,23 @@ def test_garbage_host_metadata_names_the_file(tmp_path):
     assert "checkpoints/3/host" in warnings[0]
 
 
+def test_a_host_state_the_caller_cannot_use_falls_back_like_a_corrupt_one(tmp_path):
+  """`validate` (the trainer's checks: data order, iterator state, history arrays) refusing
+  the newest step's host state: the step before is restored, the refused one moved aside."""
+  _three_steps(tmp_path)
+
+  def validate(state):
+    if state.host_state["data"]["index"] > 34:  # step 3's
+      raise ckpt.CheckpointError("checkpoint 3: history lengths sum to 9 but tokens has 8")
+
+  warnings = []
+  with ckpt.RunCheckpointer(tmp_path, keep_last=3) as cp:
+    st = cp.restore_latest(abstract_params=_params(0), warn=warnings.append, validate=validate)
+    assert st.step == 2 and cp.all_steps() == [1, 2]
+  assert len(warnings) == 1 and "history lengths sum to 9" in warnings[0]
+  assert (tmp_path / "corrupt_checkpoints" / "3").is_dir()
+
+
 def test_no_readable_checkpoint_is_one_error_naming_the_directory(tmp_path):
   ckdir = _three_steps(tmp_path)
   for step in (1, 2, 3):

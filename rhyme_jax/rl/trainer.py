@@ -32,6 +32,7 @@ check at start-up that they share every flag but the host-local ones, and the da
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import signal
@@ -200,26 +201,40 @@ class Trainer:
     warn = lambda msg: print(msg, file=sys.stderr)
     state = self.checkpointer.restore_latest(abstract_params=self.learner.params,
                                              abstract_opt_state=self.learner.opt_state, warn=warn,
-                                             agree=multihost.allgather_json)
+                                             agree=multihost.allgather_json,
+                                             validate=self._host_state_usable)
     if state is None:
       return
     self.learner.params, self.learner.opt_state, self.step = (state.params, state.opt_state,
                                                               state.step)
     host = state.host_state
-    where = f"checkpoint {self.checkpointer.directory / str(state.step)}"
-    try:
-      check_order_version(host.get("data_order", 1), where)
-      data_state = hosts.my_data_state(host["data_iter"], self.process_index,
-                                       self.process_count, where, balanced=self.balance)
-    except ValueError as e:
-      raise ckpt_lib.CheckpointError(str(e)) from e
-    self.data_iter.set_state(data_state)
+    self.data_iter.set_state(self._host_state_usable(state))
     store = self.rollouts.store
     if store is not None and host.get("history") is not None:
       store.load_state_dict(host["history"])
     self.epoch_stats.load_state_dict(host.get("epoch_stats"))
     self.rollouts.engine.update_params(self._rollout_policy())
     print(f"resumed from {self.checkpointer.directory} at step {self.step}", file=sys.stderr)
+
+  def _host_state_usable(self, state):
+    """This process's data-iterator state from a restored checkpoint, after checking that
+    all of its host state loads (into throwaway copies); `CheckpointError` naming the
+    checkpoint where it does not, so `restore_latest` tries the one before."""
+    host, where = state.host_state, f"checkpoint {self.checkpointer.directory / str(state.step)}"
+    try:
+      check_order_version(host.get("data_order", 1), where)
+      data_state = hosts.my_data_state(host["data_iter"], self.process_index,
+                                       self.process_count, where, balanced=self.balance)
+      store = self.rollouts.store
+      if store is not None and host.get("history") is not None:
+        object.__new__(type(store)).load_state_dict(host["history"])
+      copy.copy(self.epoch_stats).load_state_dict(host.get("epoch_stats"))
+    except ValueError as e:
+      raise ckpt_lib.CheckpointError(str(e) if where in str(e) else f"{where}: {e}") from e
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ckpt_lib.CheckpointError(
+          f"{where}: malformed host state ({type(e).__name__}: {e})") from e
+    return data_state
 
   def save(self, force: bool = False):
     if not (force or self.checkpointer.should_save(self.step)):
