@@ -60,7 +60,8 @@ RESUMABLE_CHANGES = ("run.num_steps", "run.run_dir", "run.checkpoint_every", "ru
 # change what one host's engine does, never what any host samples or exchanges.
 LOCKSTEP_FIELDS = ("run.num_steps", "run.run_dir", "run.checkpoint_every",
                    "run.keep_checkpoints", "run.eval_every", "run.eval_size", "run.log_every",
-                   "run.device_memory_gib", "rollout.balance_hosts")
+                   "run.device_memory_gib", "rollout.balance_hosts",
+                   "rl.remat")  # the training step is one program across processes
 # Every other field outside HOST_LOCAL_FIELDS is shared too (compared at start-up as one
 # fingerprint): the ones that may differ between hosts change only what a host's own engine
 # does (and the distributed flags name the host).

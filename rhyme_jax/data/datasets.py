@@ -108,7 +108,11 @@ def read_parquet(path: str | os.PathLike, required: Sequence[str] = REQUIRED_FIE
   except ImportError as e:
     raise DatasetError(f"{path}: reading parquet needs the `pyarrow` package, which is not "
                        "installed (pip install pyarrow), or convert the file to jsonl") from e
-  table = pq.read_table(path)
+  try:
+    table = pq.read_table(path)
+  except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+    raise DatasetError(f"{path}: not a readable parquet file "
+                       f"({' '.join(str(e).split())[:200]})") from e
   for name in required:
     if name not in table.column_names:
       raise DatasetError(f"{path}: missing required column {name!r} (columns: "
@@ -194,8 +198,8 @@ def load_examples(source: str, split: str = "train", *,
     try:
       return arithmetic.arithmetic_split(split, num_train=train_size or ARITHMETIC_TRAIN_SIZE,
                                          num_test=ARITHMETIC_TEST_SIZE, seed=seed)
-    except ValueError as e:
-      raise DatasetError(str(e)) from e
+    except ValueError as e:  # too many problems asked for: that is the flag's doing
+      raise DatasetError(f"--train_size={train_size}: {e}" if train_size else str(e)) from e
   elif Path(source).suffix:
     examples = read_examples(source)
   else:

@@ -10,6 +10,7 @@ line naming the flag, file, line or example before the run directory is created 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -72,6 +73,7 @@ def check_inputs(config: Config) -> Inputs:
   run_dir = epath.Path(c.run.run_dir)
   if run_dir.exists() and not run_dir.is_dir():
     raise ConfigError(f"--run_dir={c.run.run_dir}: exists and is not a directory")
+  _check_local_dir_writable(c.run.run_dir)
   if (run_dir / run_config.RUN_CONFIG_FILE).exists():
     run_config.check_run_config(run_dir, c, data=data, allow_changed=RESUMABLE_CHANGES)
   if (run_dir / metrics_lib.METRICS_FILE).exists():  # a resume keeps its records: readable?
@@ -102,6 +104,20 @@ def check_inputs(config: Config) -> Inputs:
 # A final answer in each form the rewards read (boxed, '####'), so that scoring it parses the
 # example's reference: an answer the reward cannot read fails here, not steps into the run.
 _PROBE_COMPLETION = "The answer is \\boxed{0}.\n#### 0"
+
+
+def _check_local_dir_writable(run_dir: str) -> None:
+  """A local --run_dir must be a directory this process can write, or creatable in one: the
+  nearest existing ancestor is checked (nothing is created here). A URI (gs://) is left to its
+  file system."""
+  if "://" in run_dir:
+    return
+  probe = os.path.abspath(run_dir)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+    why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+    raise ConfigError(f"--run_dir={run_dir}: cannot be written ({probe} {why})")
 
 
 def _check_references(reward_fn: RewardFn, examples, split: str, name: str) -> None:

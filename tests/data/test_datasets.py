@@ -90,6 +90,9 @@ def test_parquet_reads_or_explains(tmp_path):
   pq.write_table(pa.table({"question": ["q1"]}), path)
   with pytest.raises(DatasetError, match="missing required column 'answer'"):
     datasets.read_examples(path)
+  path.write_bytes(b"PAR1 not a parquet file")
+  with pytest.raises(DatasetError, match=r"d\.parquet: not a readable parquet file"):
+    datasets.read_examples(path)
 
 
 GSM8K_MISSING = ("the shared GSM8K copy (../shared/datasets/gsm8k/test.jsonl next to the "
@@ -139,6 +142,16 @@ def test_load_examples_sources(tmp_path):
     datasets.load_examples(str(path), "train", train_size=6)
   with pytest.raises(DatasetError, match="unknown dataset 'foo'"):
     datasets.load_examples("foo")
+
+
+def test_more_arithmetic_problems_than_exist_names_the_flag(monkeypatch):
+  """(Drawing past the ~200k distinct problems takes half a minute: the generator's refusal
+  is stood in for.)"""
+  def refuse(split, num_train, **kw):
+    raise ValueError(f"arithmetic: could not draw {num_train} distinct problems")
+  monkeypatch.setattr(datasets.arithmetic, "arithmetic_split", refuse)
+  with pytest.raises(DatasetError, match=r"^--train_size=250000: arithmetic: could not draw"):
+    datasets.load_examples("arithmetic", "train", train_size=250000)
 
 
 def test_non_utf8_byte_names_file_and_line(tmp_path):

@@ -85,3 +85,8 @@ def test_run_dir_that_is_a_file_is_refused(tiny_model, tmp_path):
   (tmp_path / "run").write_text("not a directory")
   with pytest.raises(ConfigError, match="--run_dir=.*: exists and is not a directory"):
     check_inputs(flags(tiny_model, tmp_path / "run"))
+  # Below a file, it could never be created: refused here, not at the first checkpoint.
+  with pytest.raises(ConfigError, match=rf"^--run_dir={tmp_path}/run/x/y: cannot be written "
+                                        rf"\({tmp_path}/run is not a directory\)$"):
+    check_inputs(flags(tiny_model, tmp_path / "run" / "x" / "y"))
+  assert not (tmp_path / "run" / "x").exists()
