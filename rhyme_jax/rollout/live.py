@@ -10,6 +10,7 @@ sees of it (`query`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -67,9 +68,12 @@ def validate(req: Request, seen: set, vocab: int, max_len: int) -> str | None:
   """A reason this request cannot run (naming it), or None."""
   try:
     req.params.validate()
-  except ValueError as e:
+  except (ValueError, TypeError) as e:  # TypeError: a field of the wrong type
     return f"request {req.request_id}: invalid sampling params: {e}"
   n = len(req.prompt)
+  if isinstance(req.request_id, bool) or not isinstance(req.request_id, numbers.Integral):
+    # (1.2 and 1.7 would both become request 1 on the device: the same random keys)
+    return f"request {req.request_id!r}: request_id must be an integer"
   if not -2**31 <= req.request_id < 2**31:  # the device holds it (and keys samples by it) as int32
     return f"request {req.request_id}: request_id outside int32 [-2**31, 2**31)"
   if req.request_id in seen:

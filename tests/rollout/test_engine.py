@@ -166,10 +166,16 @@ def test_bad_requests_fail_alone(tiny_model):
   reqs.append(reqs[8])  # the same request object twice: its second copy is the duplicate
   # a float cap equal to an integer: it reached a drafter's budget as 2.0 and crashed the step
   reqs.append(Request(12, [1, 2], SamplingParams(max_new_tokens=5.0)))
+  # a field of the wrong type (a TypeError, which stopped the whole call)
+  reqs.append(Request(13, [1, 2], SamplingParams(stop_sequences=(7, 8))))
+  # a fractional id: 1.5 and 1.7 would both be request 1 on the device (the same keys)
+  reqs.append(Request(1.5, [1, 2], good))
   res = engine(tiny_model, RandomDrafter(64, seed=0)).generate(reqs)
   assert len(res) == len(reqs)
   errors = {i: r.error for i, r in enumerate(res) if r.finish_reason == "error"}
-  assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12}
+  assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14}
+  assert "invalid sampling params" in errors[13]
+  assert "request_id must be an integer" in errors[14]
   assert "max_new_tokens=5.0: must be an integer" in errors[12]
   assert "int32" in errors[9] and "top_k" in errors[10]
   assert "duplicate" in errors[11] and res[11].request_id == 7
