@@ -203,8 +203,7 @@ def test_bfloat16_parameters_train_on_float32_master_weights(flags, tmp_path):
     nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(init_model(CFG, 0))))
     learner = Learner(config, model, mesh, cfg)
     before = [np.asarray(x, np.float32) for x in jax.tree.leaves(learner.params)]
-    losses = [learner.train_on(_groups([[1.0, 0.0], [0.0, 1.0]]))["train/loss"]
-              for _ in range(2)]
+    losses = [learner.train_on(_groups([[1.0, 0.0], [0.0, 1.0]]))["train/loss"]]
     return learner, before, losses
 
   learner, before, losses = run("bfloat16")
@@ -213,7 +212,7 @@ def test_bfloat16_parameters_train_on_float32_master_weights(flags, tmp_path):
   assert {p.dtype for p in params} == {np.dtype("bfloat16")}
   assert {m.dtype for m in master} == {np.dtype("float32")}
   moved = max(float(np.abs(np.asarray(m) - b).max()) for m, b in zip(master, before))
-  assert 1e-5 < moved < 1e-4, moved  # Adam: about the learning rate per update
+  assert 0.5e-5 < moved < 3e-5, moved  # Adam's first update: about the learning rate
   for p, m in zip(params, master):  # the parameters are the masters' rounding, exactly
     np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))
   ref, ref_before, ref_losses = run("float32")

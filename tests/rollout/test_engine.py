@@ -209,6 +209,7 @@ def test_stop_sequences_and_max_tokens(tiny_model):
       assert res.accepted == len(res.tokens) - (res.steps - 1)
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: a warm-up of every speculative shape
 def test_unverified_drafts_do_not_count_as_rejected(tiny_model):
   """A step that asked for drafts but verified none of a row's (the cost model found them not
   worth it) teaches the acceptance estimate nothing: before, each such step counted as a failed
