@@ -279,18 +279,18 @@ class RolloutEngine:
     cap = max(t for _, t in shapes) - 1
     values = [self.costs.node_values(slots[i].req.request_id, np.arange(1, cap + 1), None)
               for i in live_idx]
-    shape, take, _ = self.costs.choose((bucket, bucket, 1, self._kv_len_for(context + 1)),
-                                       self._shapes_at(bucket, shapes, context), values,
+    shape, take, _ = self.costs.choose(*self._shapes_at(bucket, shapes, context), values,
                                        len(live_idx), scale=self.costs.ask_scale)
     if shape[1] == bucket:
       return False, 0.0
     return True, float(sum(v[:n].sum() for v, n in zip(values, take)))
 
-  def _shapes_at(self, bucket: int, shapes, context: int) -> list:
-    """The speculative (P, T) shapes as cost-model shapes, each at the cache length its step
-    would run in (the loop's `_kv_len_for(context + T)`): near a length boundary a plain step
-    may still fit the shorter length that a tree step leaves."""
-    return [(bucket, p, t, self._kv_len_for(context + t)) for p, t in shapes]
+  def _shapes_at(self, bucket: int, shapes, context: int) -> tuple[tuple, list]:
+    """(The plain step, the speculative (P, T) shapes) as cost-model shapes, each at the cache
+    length its step would run in (the loop's `_kv_len_for(context + T)`): near a length
+    boundary a plain step may still fit the shorter length that a tree step leaves."""
+    return ((bucket, bucket, 1, self._kv_len_for(context + 1)),
+            [(bucket, p, t, self._kv_len_for(context + t)) for p, t in shapes])
 
   def _draft(self, bucket: int, slots: list, live_idx: list[int], context: int,
              lookahead: bool, ahead_only: bool):
@@ -316,11 +316,10 @@ class RolloutEngine:
     cleaned = cleaned_drafts(self.drafter.propose(queries), [q.budget for q in queries])
     values = [self.costs.node_values(slots[i].req.request_id, tree_depths(c[1]), c[2])
               for i, c in zip(live_idx, cleaned)]
-    cands = self._shapes_at(bucket, shapes, context)
+    plain, cands = self._shapes_at(bucket, shapes, context)
     if cfg.speculate == "always":
       shape, take, _ = self.costs.choose(None, cands[-1:], values, len(live_idx))
     else:
-      plain = (bucket, bucket, 1, self._kv_len_for(context + 1))
       shape, take, _ = self.costs.choose(plain, cands, values, len(live_idx))
     trees: list = [None] * bucket
     per_slot = [(0, 0, None, None)] * bucket

@@ -43,8 +43,7 @@ class _Step:
   """A dispatched step whose outputs are not read yet."""
 
   out: jax.Array  # its outputs as one array (step.to_wire)
-  # (slot, LiveRequest, drafted nodes, verified tree depth (-1: nothing to learn), verified
-  # nodes' drafter probabilities summed per depth (None: none given), the gain expected of them)
+  # (slot, LiveRequest, drafted, verified depth (-1: none), drafter probs per depth, gain expected)
   rows: list
   shape: tuple
   steps: int = 1  # decode steps the launch ran (plain steps only when > 1: multi_step)
@@ -148,8 +147,8 @@ class Rollout:
       target = bucket_target(self, live_idx)
       if self.pending is None and target < self.bucket:
         live_idx = self._move(live_idx, target)
-      speculate, ask_gain = (engine._plan(self.bucket, self.slots, live_idx,
-                                          sum(self._context(live_idx)))
+      context = self._context(live_idx) if live_idx else (0, 0)  # (longest, in flight)
+      speculate, ask_gain = (engine._plan(self.bucket, self.slots, live_idx, sum(context))
                              if live_idx else (False, None))
       moves = target < self.bucket
       if self.pending is not None and (speculate or moves or not cfg.pipeline or not live_idx):
@@ -159,7 +158,7 @@ class Rollout:
         continue
       if not live_idx:
         break
-      st = self._dispatch(live_idx, speculate, ask_gain)
+      st = self._dispatch(live_idx, speculate, ask_gain, context)
       if self.pending is not None:  # read the previous step while this one runs
         self._process(self.pending, blocking=False)
       self.pending = st
@@ -232,10 +231,11 @@ class Rollout:
       self.stats.bucket_moves += 1
     return live_idx
 
-  def _dispatch(self, live_idx: list[int], speculate: bool, ask_gain: float | None) -> _Step:
+  def _dispatch(self, live_idx: list[int], speculate: bool, ask_gain: float | None,
+                context: tuple[int, int]) -> _Step:  # context: `_context(live_idx)`
     """Drafts (if `speculate`: `RolloutEngine._draft`), packs and dispatches the next step."""
     engine, stats, slots, bucket = self.engine, self.stats, self.slots, self.bucket
-    longest, in_flight = self._context(live_idx)
+    longest, in_flight = context
     live_B = tuple(slots[i] is not None for i in range(bucket))
     wide, drafted = [], 0
     if speculate:
